@@ -1,0 +1,41 @@
+"""Shared fixtures. The real default model loads once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.models.registry import DEFAULT_MODEL, resolve_model
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    return resolve_model(DEFAULT_MODEL).path
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """The default model in float32, the precision the reference comparisons need."""
+    from tokenmill import LLM
+
+    return LLM(DEFAULT_MODEL, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """Hugging Face transformers' own loading of the same GGUF: the reference."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture()
+def llm(llm_fp32):
+    """The shared engine, checked to be idle with every KV block free after each test."""
+    yield llm_fp32
+    engine = llm_fp32.engine
+    assert not engine.has_unfinished_requests(), "a test left requests in the engine"
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, "KV blocks leaked"

@@ -1,0 +1,169 @@
+"""Command line: tokenmill generate | chat."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from tokenmill.models.registry import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"built-in alias, .gguf file, Hugging Face model folder or hub id org/name (default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto picks bfloat16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length to serve (default: the model's)")
+    g.add_argument("--kv-cache-memory", default="0.1",
+                   help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.1 = 10%%; default)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, default 16)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step, prefill and decode together (default 8192)")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prompts across steps under the token budget")
+    g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
+                   help="per-request sampling seed (same seed, same output)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs per token")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
+                seed=a.seed)
+
+
+def sampling_params(a: argparse.Namespace):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, max_tokens=a.max_tokens, stop=a.stop,
+        ignore_eos=a.ignore_eos, logprobs=a.logprobs,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+
+    params = sampling_params(a)
+    llm = LLM(**engine_kwargs(a))
+    if a.raw:
+        outs = llm.generate(a.prompts, params, use_tqdm=not a.no_progress)
+    else:
+        convs = [[{"role": "user", "content": p}] for p in a.prompts]
+        outs = llm.chat(convs, params, use_tqdm=not a.no_progress)
+    for out in outs:
+        for c in out.outputs:
+            if a.json:
+                m = out.metrics[c.index]
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason, "ttft_s": m.ttft, "tpot_s": m.tpot,
+                                  "e2e_s": m.e2e_latency}))
+            else:
+                print(c.text)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from tokenmill.engine.llm import LLM
+
+    params = sampling_params(a)
+    llm = LLM(**engine_kwargs(a))
+    engine = llm.engine
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print("tokenmill chat: type a message, Ctrl-D or /exit to quit, /reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            rid = engine.add_request(prompt, params, add_special_tokens=False)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        shown = 0
+        text = ""
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    text = out.outputs[0].text
+                    print(text[shown:], end="", flush=True)  # stream as the tokens come
+                    shown = len(text)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        messages.append({"role": "assistant", "content": text})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with a paged KV cache "
+                                "and continuous batching")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions for prompts, batched",
+                       description="Generate for each PROMPT. Prompts are wrapped in the model's chat template "
+                                   "as a user message unless --raw is given.")
+    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON line per completion with timings")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that streams tokens as they come")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input of any kind: say what, not a traceback
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Engine configuration: frozen plain data, validated once, no I/O."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer (Llama family, Qwen2)."""
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # bytes ("2GiB", "512MB", 1e9) or a fraction of free memory (0 < x <= 1)
+    kv_cache_memory: str | float = "0.1"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        parse_memory(self.kv_cache_memory)  # validate early
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmuls, else float32
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(spec: str | float | int) -> tuple[str, float]:
+    """Parse a memory budget: returns ("fraction", f) for 0 < f <= 1, else ("bytes", n)."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        value, unit = float(spec), ""
+    elif isinstance(spec, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", spec)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"kv_cache_memory {spec!r} is not understood: give bytes (e.g. 2GiB, 512MB, 1000000000) "
+                "or a fraction of free memory (e.g. 0.1)"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    else:
+        raise ValueError(f"kv_cache_memory must be a string or a number, got {type(spec).__name__}")
+    if unit == "" and 0 < value <= 1:
+        return "fraction", value
+    nbytes = value * _UNITS[unit]
+    if nbytes < 1:
+        raise ValueError(f"kv_cache_memory {spec!r} must be positive")
+    return "bytes", nbytes

@@ -1,0 +1,255 @@
+"""Continuous-batching scheduler: who computes how many tokens this step.
+
+Prefill and decode are one thing here: a request has ``num_tokens`` ids of which
+``num_computed_tokens`` have KV; each step hands out the difference under one token
+budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
+requests go first, so decodes are never starved by arriving prompts; what budget is
+left admits waiting requests in order. When the KV pool is full, the most recently
+admitted running request is preempted by recompute: its blocks are freed, its tokens
+kept, and it goes back to the front of the queue with ``num_computed_tokens = 0``.
+
+No tensors here: the simulator and the CPU tests drive this exact code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, when the runner first sees a request (it keeps sampling state per request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the ids to compute this step
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]
+    needs_logits: bool  # this chunk ends the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What comes back from a step: sampled ids (a list per request, for speculative decoding
+    later) and, where asked, logprobs as (sampled token logprob, [(token, logprob), ...top-n])."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size could never run."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+                f"model's context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        need = self.kv_cache.blocks_needed(total)
+        if need > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"this request needs {need} KV blocks ({total} tokens) but the whole KV cache has "
+                f"{self.kv_cache.num_blocks}; raise --kv-cache-memory or lower max_tokens"
+            )
+        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt + max_tokens ({total} tokens) exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) and chunked prefill is off; raise "
+                "--max-num-batched-tokens or pass --enable-chunked-prefill"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside the step (abort, stop string); frees its blocks now."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.timings.finished = time.perf_counter()
+        self.kv_cache.free(req.request_id)
+        del self.requests[req.request_id]
+        if req.request_id in self._known_to_runner:
+            self._known_to_runner.discard(req.request_id)
+            self._finished_ids.append(req.request_id)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        now = time.perf_counter()
+
+        # 1. Running requests: decodes (one token) and unfinished chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
+                victim = self.running.pop()  # most recently admitted
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._emit(req, num_new, out)
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it is left to schedule
+
+        # 2. Waiting requests, in order, while there is room. None if we just had to preempt.
+        while self.waiting and not out.preempted_request_ids and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = now
+            self.running.append(req)
+            if req.request_id not in self._known_to_runner:
+                self._known_to_runner.add(req.request_id)
+                out.new_requests.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                        req.eos_token_ids,
+                    )
+                )
+            self._emit(req, num_new, out)
+            budget -= num_new
+        return out
+
+    def _emit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = req.num_computed_tokens
+        needs_logits = start + num_new == req.num_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                req.request_id,
+                req.token_ids_slice(start, start + num_new),
+                start,
+                self.kv_cache.block_tables[req.request_id],
+                needs_logits,
+            )
+        )
+        # A single new token after the prompt is a decode; anything else is (re)prefill work.
+        if num_new == 1 and start >= req.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_request_ids.append(req.request_id)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply a step's sampled tokens; returns the requests that finished in it."""
+        now = time.perf_counter()
+        finished: list[Request] = []
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(s.token_ids)
+            if not s.needs_logits:
+                continue
+            for token in result.sampled_token_ids[s.request_id]:
+                req.output_token_ids.append(token)
+                req.timings.token_times.append(now)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,88 @@
+"""LLM: the offline API. Queue many prompts, step the engine until all finish."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Offline batched generation, e.g. ``LLM().generate(["Hello"], SamplingParams(max_tokens=32))``.
+
+    Engine options: dtype ("auto", "float32", "bfloat16", "float16"), device, max_model_len,
+    kv_cache_memory (bytes like "2GiB" or a fraction of free memory), block_size,
+    max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, seed.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "auto", device: str = "cpu",
+                 max_model_len: int | None = None, kv_cache_memory: str | float = "0.1", block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = False,
+                 seed: int = 0) -> None:
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        Every prompt is validated before any is queued, so one bad prompt queues nothing.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for p in prompts:  # fail early, before anything is queued
+            self.engine.tokenize_prompt(p, add_special_tokens)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp, add_special_tokens=add_special_tokens))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already holds any BOS token.
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

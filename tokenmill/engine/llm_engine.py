@@ -1,0 +1,154 @@
+"""LLMEngine: the step loop. Each step is schedule -> run the model -> apply -> emit outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.models.loader import load_model
+from tokenmill.models.registry import resolve_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, for metrics and the simulator's calibration."""
+
+    start_time: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_requests: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    num_preemptions: int  # preemptions in this step
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        loaded = load_model(source, self.dtype, self.device, config.max_model_len)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+
+        cache = config.cache
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token * elem
+        kind, value = parse_memory(cache.kv_cache_memory)
+        budget = value * free_memory_bytes(self.device) if kind == "fraction" else value
+        num_blocks = int(budget // (self.kv_bytes_per_token * cache.block_size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {cache.kv_cache_memory!r} ({int(budget)} bytes) holds no KV block of "
+                f"{self.kv_bytes_per_token * cache.block_size} bytes; raise --kv-cache-memory"
+            )
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.step_stats: deque[StepStats] = deque(maxlen=10_000)
+        self._ids = itertools.count()
+        logger.info("model %s: %s, dtype %s on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
+                    self.model_name, self.model_config.architecture, self.dtype, self.device, num_blocks,
+                    cache.block_size, num_blocks * cache.block_size * self.kv_bytes_per_token / 2**20)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token id")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True) -> str:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt, add_special_tokens)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens < 1:
+            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
+                             f"{self.max_model_len}-token context")
+        self.scheduler.check_fits(len(ids), max_tokens)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                # distinct but reproducible streams for the n samples
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority))
+        for r in children:
+            self.scheduler.add_request(r)
+        self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, children)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; its KV blocks are free when this returns."""
+        for cid in self.output_processor.child_ids(request_id):
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        finished = self.scheduler.update_from_output(sched, result)
+        updated = [self.scheduler.requests[r] for r in result.sampled_token_ids if r in self.scheduler.requests]
+        outputs, stopped = self.output_processor.process(updated + finished, result.logprobs)
+        for cid in stopped:
+            self.scheduler.finish_request(cid, RequestStatus.FINISHED_STOPPED)
+        self.step_stats.append(StepStats(
+            start, time.perf_counter() - start, sched.num_prefill_tokens, sched.num_decode_tokens,
+            len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
+            self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
+        ))
+        return outputs
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+

@@ -1,0 +1,131 @@
+"""Read a GGUF file: architecture config and weights under Hugging Face names.
+
+Quantized tensors (Q4_0, Q4_1, Q8_0, ...) are dequantized with the ``gguf`` package's
+reference routines. llama.cpp's converter permutes Llama q/k weights for its interleaved
+RoPE; we undo that so the rotate-half RoPE of the Hugging Face layout applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def open_gguf(path: str | Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def need(key: str):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise GGUFError(f"GGUF file lacks the metadata key {arch}.{key}")
+        return v
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    tensors = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        raise GGUFError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, rope_freqs tensors)")
+    if "rope_freqs.weight" in tensors:
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors", "factors": torch.from_numpy(np.array(factors.data, dtype=np.float32))}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        base = _LAYER_NAMES.get(parts[2])
+        return None if base is None else f"model.layers.{parts[1]}.{base}.{parts[3]}"
+    base = _TOP_NAMES.get(parts[0])
+    return None if base is None else f"{base}.{parts[1]}"
+
+
+def _undo_rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp stored rows per head as interleaved pairs; regroup them into two halves.
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize(t) -> torch.Tensor:
+    """A GGUF tensor as float32, in PyTorch's [out, in] order."""
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise GGUFError(f"tensor {t.name} has GGUF type {kind}, not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # np.array: own, writable copy
+
+
+def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise GGUFError(f"GGUF tensor {t.name!r} is not understood for architecture {cfg.architecture}")
+        w = dequantize(t)
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _undo_rope_permute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        yield name, w

@@ -1,0 +1,134 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2 (q/k/v bias).
+
+Runs over a flat batch of T tokens from many requests at once; attention goes through the
+paged-KV backend. Weights arrive under Hugging Face names and are fused on load:
+q/k/v into one projection and gate/up into another (one GEMM each instead of three/two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, as the reference implementation does, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor], meta):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k = rope(positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d))
+        o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv[0], kv[1], meta)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
+    ) -> torch.Tensor:  # [N, V] float32
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta)
+        # The output head is the largest GEMM: run it only where a token is sampled.
+        x = self.norm(x[logits_indices])
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load from Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...)."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # fused parameter -> parts seen so far
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("rotary_emb") or "rotary_emb.inv_freq" in name:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target, idx = fused[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                pending.setdefault(key, {})[idx] = tensor
+                n_parts = 3 if target == "qkv_proj" else 2
+                if len(pending[key]) < n_parts:
+                    continue
+                parts_seen = pending.pop(key)
+                tensor = torch.cat([parts_seen[i] for i in range(n_parts)], dim=0)
+                name = key
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            p.data.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if pending or missing:
+            raise ValueError(f"checkpoint is incomplete: missing {sorted(missing | set(pending))[:8]}")

@@ -1,0 +1,47 @@
+"""Build a model and its tokenizer from a ModelSource."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.layers.attention import get_backend
+from tokenmill.models.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+from tokenmill.models.hf_loader import hf_model_config, hf_weights
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.registry import ModelSource
+from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+               attention_backend: str = "torch") -> LoadedModel:
+    if source.format == "gguf":
+        reader = open_gguf(source.path)
+        cfg = gguf_model_config(reader)
+        tokenizer = Tokenizer.from_gguf(reader)
+        weights = gguf_weights(reader, cfg)
+    else:
+        cfg = hf_model_config(source.path)
+        tokenizer = Tokenizer.from_hf_folder(source.path)
+        weights = hf_weights(source.path)
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                         f"{cfg.max_position_embeddings}")
+    max_model_len = max_model_len or cfg.max_position_embeddings
+    model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
+    model.load_weights(weights)
+    # RoPE tables stay float32 for accuracy; everything else takes the compute dtype.
+    model.to(device=device, dtype=dtype)
+    model.rope.to(device=device, dtype=torch.float32)
+    model.eval()
+    return LoadedModel(model, cfg, tokenizer, max_model_len)

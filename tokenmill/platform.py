@@ -1,0 +1,51 @@
+"""What the device offers: fast dtypes and free memory."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX makes bf16 GEMMs several times faster than fp32 on x86 CPUs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cpu" and cpu_has_fast_bf16():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is available to PyTorch; use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps was asked for but MPS is not available; use --device cpu")
+    return device
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

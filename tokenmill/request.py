@@ -1,0 +1,86 @@
+"""Request state as the scheduler sees it: token ids, how many have KV, and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV dropped; recomputed when readmitted
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"  # never admitted: cannot fit
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "rejected")
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock times (time.perf_counter seconds) the metrics are built from."""
+
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token, when it was produced
+    finished: float | None = None
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_tokens: int = 16  # resolved: never None here
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def __post_init__(self) -> None:
+        if not self.timings.arrival:
+            self.timings.arrival = time.perf_counter()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) of prompt + output, without building the concatenation."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

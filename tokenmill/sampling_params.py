@@ -1,0 +1,105 @@
+"""SamplingParams: how one request picks its tokens and when it stops."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules (vLLM's names and meanings).
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1.0 disables
+    nucleus sampling; min_p 0 disables min-p. ``seed`` gives a private random stream:
+    the same seed yields the same output whatever else shares the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and single strings for convenience, store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or math.isnan(v) or math.isinf(v):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not is_int(getattr(self, name)):
+                raise bad(name, "must be an integer")
+        if self.n < 1:
+            raise bad("n", "must be at least 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be a positive integer or None (fill the context)")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise bad("min_tokens", "must be >= 0 and <= max_tokens")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+

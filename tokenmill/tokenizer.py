@@ -1,0 +1,273 @@
+"""Tokenizer layer: text <-> token ids, chat templates and streaming detokenization.
+
+Built on the Rust `tokenizers` library and jinja2 only (no `transformers`). A tokenizer comes from
+either a GGUF file's `tokenizer.ggml.*` metadata or a Hugging Face folder's `tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    import gguf
+
+# Tokens that end a turn or a document in common chat formats; they stop generation when special.
+_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>",
+               "<end_of_turn>", "<|return|>")
+
+# GGUF `tokenizer.ggml.pre` names whose split regex differs from GPT-2's, as transformers maps them.
+# Anything else (including "smollm") gets GPT-2's ByteLevel regex, as transformers does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+               "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+               "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token_type values
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable char table, which byte-level BPE vocabularies are spelled in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shifted = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+_BYTE_CHARS = _byte_alphabet()
+_BYTE_ALPHABET = frozenset(_BYTE_CHARS.values())
+
+
+def _gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _token_str(value: Any) -> str | None:
+    # tokenizer_config.json spells special tokens as strings or as serialized AddedToken dicts.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """A model's tokenizer: `hf` does the work, this adds special-token ids and chat templates."""
+
+    def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None, extra_stop_ids: Sequence[int] = ()) -> None:
+        self.hf = hf
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        special = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        stops = {i for i in (eos_token_id, *extra_stop_ids) if i is not None}
+        stops |= {special[t] for t in _END_TOKENS if t in special}
+        self.stop_token_ids: frozenset[int] = frozenset(stops)
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Rebuild the tokenizer a GGUF describes, making the same choices as transformers' converter."""
+        kind = _gguf_field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer type {kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
+                             "use the model's Hugging Face folder with its tokenizer.json instead")
+        tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
+        types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or []
+        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+        # A few files store tokens as raw text instead of in the byte alphabet; respell those.
+        alphabet = _BYTE_ALPHABET
+        vocab = {t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        hf = HFTokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
+                                    end_of_word_suffix="", fuse_unk=False))
+        split = _PRE_SPLITS.get(_gguf_field(reader, "tokenizer.ggml.pre"))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+        hf.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+        hf.decoder = decoders.ByteLevel()
+        # Control tokens must match whole and be skippable; a "control" token outside the byte alphabet is
+        # a llama.cpp mislabel and would grow the vocab, so skip it. User-defined tokens match whole too.
+        hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                               if ty == _CONTROL and set(t) <= alphabet])
+        hf.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                       if ty == _USER_DEFINED and t in vocab])
+
+        bos_id = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
+        eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        add_bos = bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_eos = bool(_gguf_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        hf.post_processor = _template_processor(tokens[bos_id] if add_bos else None, bos_id,
+                                                tokens[eos_id] if add_eos else None, eos_id)
+        eot_id = _gguf_field(reader, "tokenizer.ggml.eot_token_id")  # llama.cpp's explicit end-of-turn
+        return cls(hf, bos_token_id=bos_id, eos_token_id=eos_id,
+                   chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+                   extra_stop_ids=[eot_id] if eot_id is not None else [])
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json (slow-tokenizer-only models are not supported)")
+        hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # older format: a list of named templates
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if (path / "chat_template.jinja").is_file():  # newer format; wins, as in transformers
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+
+        def token_id(key: str) -> int | None:  # from tokenizer_config.json, else generation_config.json
+            token = _token_str(config.get(key))
+            found = hf.token_to_id(token) if token else None
+            fallback = generation.get(f"{key}_id")
+            return found if found is not None else (fallback[0] if isinstance(fallback, list) else fallback)
+
+        gen_eos = generation.get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        return cls(hf, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   chat_template=template, extra_stop_ids=gen_eos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; `add_special_tokens` adds BOS/EOS only where the model asks for them."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render a conversation to prompt text with the model's jinja template, as transformers does."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a raw prompt instead of chat messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': 'hi'}")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"message {i} has no string 'role': {m!r}")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise ValueError(f"message {i} 'content' must be a string, a list of parts or None: {m!r}")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        bos, eos = (self.hf.id_to_token(i) if i is not None else "" for i in (self.bos_token_id, self.eos_token_id))
+        variables = {"tools": None, "documents": None, "bos_token": bos or "", "eos_token": eos or "", **kwargs}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **variables)
+        except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas that never end inside a multi-byte character.
+
+    `tokenizers`' DecodeStream holds tokens back while the decoded tail is an incomplete UTF-8
+    character (U+FFFD); we only add `flush` for whatever is still held at the end of a stream.
+    """
+
+    _CONTEXT = 8  # prompt tokens kept as left context, enough for decoders that look back (e.g. leading space)
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_token_ids)[-self._CONTEXT:]
+        # A prompt ending inside a character would make DecodeStream re-emit the context; drop that tail.
+        while self._ids and tokenizer.decode(self._ids, skip_special_tokens).endswith("\ufffd"):
+            self._ids.pop()
+        self._done = len(self._ids)  # ids before this index are already in `text` (or are the prompt)
+        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        """Add one generated token; return the new text ("" while a character is still incomplete)."""
+        self._ids.append(token_id)
+        delta = self._stream.step(self._tokenizer.hf, token_id)
+        if delta is None:
+            return ""
+        self._done = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """End of stream: return the held-back tail, even if it decodes to a replacement char."""
+        if self._done == len(self._ids):
+            return ""
+        # Decode with some left context, so decoders that strip a leading space see the same text as `step`.
+        context, held = self._ids[max(0, self._done - self._CONTEXT):self._done], self._ids[self._done:]
+        head, full = (self._tokenizer.decode(ids, self._skip) for ids in (context, context + held))
+        delta = full[len(head):] if full.startswith(head) else self._tokenizer.decode(held, self._skip)
+        self._done = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def _template_processor(bos: str | None, bos_id: int | None, eos: str | None,
+                        eos_id: int | None) -> processors.TemplateProcessing:
+    """BOS/EOS around each sequence, as transformers sets up from add_bos_token / add_eos_token."""
+    def wrap(seq: str) -> str:
+        return " ".join(t for t in (bos and f"{bos}:{seq[-1]}", seq, eos and f"{eos}:{seq[-1]}") if t)
+
+    return processors.TemplateProcessing(single=wrap("$A:0"), pair=f"{wrap('$A:0')} {wrap('$B:1')}",
+                                         special_tokens=[(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t])
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept `{% generation %}...{% endgeneration %}` (used for assistant masks) and render its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes and ascii-escapes, which changes the prompt text.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Chat templates come from model files, i.e. untrusted: render them sandboxed.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the model's chat template does not parse: {e}") from e

@@ -1,0 +1,178 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs one forward pass, samples.
+
+It owns the KV-cache tensors and a small per-request state (sampling parameters, token
+history for penalties, private generator). Only plain data comes in and goes out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.layers.sampler import Sampler, SamplingBatch
+from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class _RequestState:
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    stop_ids: list[int] = field(default_factory=list)  # banned until min_tokens
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    # torch.empty: pages are only touched when written, so a large pool costs nothing up front.
+    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches, block_size: int, device: torch.device, seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+        self.states: dict[str, _RequestState] = {}
+
+    # ---- request state ---------------------------------------------------------------
+
+    def _add(self, r: NewRequestData) -> None:
+        p = r.sampling_params
+        gen = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
+        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids)))
+        self.states[r.request_id] = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p,
+                                                  r.eos_token_ids, gen, stop_ids)
+
+    # ---- one step --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.states.pop(rid, None)
+        for r in sched.new_requests:
+            self._add(r)
+        if not sched.scheduled:
+            return ModelRunnerOutput({})
+
+        # Decodes first, then prefill chunks: attention batches the decode block as one call.
+        decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
+        prefills = [s for s in sched.scheduled if len(s.token_ids) > 1]
+        order = decodes + prefills
+        bs = self.block_size
+
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            p = s.start_pos
+            ids.append(s.token_ids[0])
+            positions.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+        chunks: list[PrefillChunk] = []
+        for s in prefills:
+            n, start = len(s.token_ids), len(ids)
+            pos = np.arange(s.start_pos, s.start_pos + n)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            ids.extend(s.token_ids)
+            positions.extend(pos.tolist())
+            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
+            n_blk = -(-(s.start_pos + n) // bs)
+            chunks.append(PrefillChunk(start, start + n, s.start_pos,
+                                       torch.tensor(s.block_table[:n_blk], dtype=torch.long, device=self.device)))
+
+        dev = self.device
+        decode_tables = decode_lens = None
+        max_len = 0
+        if decodes:
+            max_len = max(s.start_pos for s in decodes) + 1
+            width = -(-max_len // bs)
+            table = np.zeros((len(decodes), width), dtype=np.int64)
+            for i, s in enumerate(decodes):
+                row = s.block_table[:width]
+                table[i, : len(row)] = row
+            decode_tables = torch.from_numpy(table).to(dev)
+            decode_lens = torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.long, device=dev)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
+                                 decode_tables, decode_lens, max_len, chunks)
+
+        # Logits only for rows that end their request's known tokens.
+        sample_rows, sample_reqs, offset = [], [], 0
+        for s in order:
+            offset += len(s.token_ids)
+            if s.needs_logits:
+                sample_rows.append(offset - 1)
+                sample_reqs.append(s.request_id)
+        logits_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
+        if not sample_reqs:
+            return ModelRunnerOutput({})
+        return self._sample(logits, sample_reqs)
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+        states = [self.states[r] for r in req_ids]
+        batch = self._sampling_batch(states)
+        out = self.sampler(logits, batch)
+        tokens = out.token_ids.tolist()
+        sampled = {}
+        logprobs = {}
+        lp = out.sampled_logprobs.tolist() if out.sampled_logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, (rid, st) in enumerate(zip(req_ids, states)):
+            st.output_token_ids.append(tokens[i])
+            sampled[rid] = [tokens[i]]
+            n = st.params.logprobs
+            if n is not None:
+                top = list(zip(top_ids[i][:n], top_lp[i][:n])) if n else []
+                logprobs[rid] = [(lp[i], top)]
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _sampling_batch(self, states: list[_RequestState]) -> SamplingBatch:
+        dev = self.device
+        ps = [s.params for s in states]
+        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+        use_k = any(p.top_k > 0 for p in ps)
+        use_p = any(p.top_p < 1.0 for p in ps)
+        use_min_p = any(p.min_p > 0 for p in ps)
+        b = SamplingBatch(
+            temperature=temp,
+            all_greedy=all(p.greedy for p in ps),
+            top_k=torch.tensor([max(p.top_k, 0) for p in ps], device=dev) if use_k else None,
+            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev) if use_p else None,
+            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev) if use_min_p else None,
+            generators=[s.generator for s in states],
+        )
+        if any(p.needs_penalties for p in ps):
+            b.output_ids = self._pad([s.output_token_ids for s in states])
+            b.prompt_ids = self._pad([s.prompt_token_ids for s in states])
+            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)
+            b.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)
+            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)
+        banned = [(i, s.stop_ids) for i, s in enumerate(states)
+                  if s.stop_ids and len(s.output_token_ids) < s.params.min_tokens]
+        b.banned = banned or None
+        wanted = [p.logprobs for p in ps if p.logprobs is not None]
+        b.num_logprobs = max(wanted) if wanted else None
+        return b
+
+    def _pad(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        out = np.full((len(rows), width), self.vocab_size, dtype=np.int64)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = r
+        return torch.from_numpy(out).to(self.device)
