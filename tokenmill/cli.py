@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat."""
+"""Command line: tokenmill generate | chat | serve."""
 
 from __future__ import annotations
 
@@ -130,6 +130,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": text})
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tokenmill.server.app import run_from_args
+
+    return run_from_args(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with a paged KV cache "
                                 "and continuous batching")
@@ -152,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    from tokenmill.server.args import add_server_args
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/completions, "
+                                   "POST /v1/chat/completions, GET /v1/models, /health, /metrics (Prometheus, "
+                                   "vLLM metric names), /version. Binds 127.0.0.1 unless --host says otherwise.")
+    add_server_args(s)
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

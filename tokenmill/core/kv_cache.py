@@ -96,10 +96,12 @@ class KVCacheManager:
         counts = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for b in table:
+                assert 0 <= b < self.pool.num_blocks, f"a block table holds {b!r}, which is not a block id"
                 counts[b] += 1
         free = list(self.pool.free_blocks)
         free_set = set(free)
         assert len(free) == len(free_set), "a block is in the free list twice"
+        assert all(0 <= b < self.pool.num_blocks for b in free), "the free list holds an id that is not a block"
         for b in range(self.pool.num_blocks):
             assert counts[b] == self.pool.ref_cnt[b], f"block {b}: ref count {self.pool.ref_cnt[b]} != {counts[b]} holders"
             assert (b in free_set) == (counts[b] == 0), f"block {b}: free-list membership disagrees with ref count"

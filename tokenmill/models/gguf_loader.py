@@ -7,6 +7,7 @@ RoPE; we undo that so the rotate-half RoPE of the Hugging Face layout applies.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,10 +38,21 @@ class GGUFError(ValueError):
 
 
 def open_gguf(path: str | Path):
+    """Open (memory-map) a GGUF file; parsing its metadata is slow, so readers are reused per file version."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise GGUFError(f"cannot open {path}: {e.strerror}") from None
+    return _open_gguf(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, mtime_ns: int, size: int):
     import gguf
 
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
@@ -63,7 +75,11 @@ def gguf_model_config(reader) -> ModelConfig:
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     tensors = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            raise GGUFError(f"GGUF file has no tokenizer (tokenizer.ggml.tokens) and no {arch}.vocab_size")
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     scaling = None
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind == "linear":
@@ -127,5 +143,9 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
             raise GGUFError(f"GGUF tensor {t.name!r} is not understood for architecture {cfg.architecture}")
         w = dequantize(t)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _undo_rope_permute(w, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            if w.shape[0] != heads * cfg.head_dim:  # else the un-permute's reshape fails obscurely
+                raise GGUFError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}, expected "
+                                f"{heads * cfg.head_dim} rows ({heads} heads x {cfg.head_dim})")
+            w = _undo_rope_permute(w, heads)
         yield name, w

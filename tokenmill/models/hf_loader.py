@@ -48,12 +48,16 @@ def hf_model_config(folder: Path) -> ModelConfig:
 
 
 def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder} (PyTorch .bin checkpoints are not supported)")
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name).float()
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name).float()
+        except SafetensorError as e:  # damaged or truncated file
+            raise ValueError(f"{f} is not a readable safetensors file ({e})") from None

@@ -113,6 +113,13 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target, idx = fused[parts[-2]]
                 key = ".".join(parts[:-2] + [target, parts[-1]])
+                if key in params:  # check each part here: torch.cat would fail obscurely, or name the fused one
+                    c = self.cfg
+                    rows = ([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+                            if target == "qkv_proj" else [c.intermediate_size] * 2)[idx]
+                    want = (rows, *params[key].shape[1:])
+                    if tuple(tensor.shape) != want:
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
                 pending.setdefault(key, {})[idx] = tensor
                 n_parts = 3 if target == "qkv_proj" else 2
                 if len(pending[key]) < n_parts:

@@ -71,7 +71,8 @@ def resolve_model(model: str) -> ModelSource:
             f"folder {model!r} has no config.json (and {len(ggufs)} .gguf files); "
             "a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json"
         )
-    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+    # "dir/model.gguf" is a missing file, not a hub id (hub fetches take no .gguf files anyway).
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and path.suffix != ".gguf":
         return ModelSource(model, _download_from_hub(model), "hf")
     known = ", ".join(sorted(BUILTIN_MODELS))
     raise ModelNotFoundError(

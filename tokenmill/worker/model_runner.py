@@ -32,8 +32,9 @@ class _RequestState:
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    # torch.empty: pages are only touched when written, so a large pool costs nothing up front.
-    return [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+    # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN from stale
+    # memory would still poison the output.
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
 
 

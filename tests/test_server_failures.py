@@ -1,0 +1,347 @@
+"""The server under failure: overload (503), engine death (500, /health 503), SIGTERM drain, disconnects.
+
+These run the real LLMEngine code (scheduler, KV cache, output processor) with the model replaced
+by a fake runner that emits a fixed cycle of tokens after a short sleep, and a tiny tokenizer,
+so they start in a second and can make the engine slow, fill its queue or kill it on purpose.
+Run as a script (``python tests/test_server_failures.py serve ARGS...``) it serves such an engine
+through the real ``tokenmill serve`` flag parsing, for the SIGTERM test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tokenmill.config import ModelConfig, SchedulerConfig
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+from tokenmill.tokenizer import Tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@functools.cache
+def tiny_tokenizer() -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(["the cat sat on the mat and the dog sat on the log"] * 8, trainer)
+    return Tokenizer(hf, bos_token_id=None, eos_token_id=hf.token_to_id("<|im_end|>"), chat_template=CHAT_TEMPLATE)
+
+
+class FakeRunner:
+    """Stands in for ModelRunner: one token per request that needs one, after `delay` seconds."""
+
+    def __init__(self, tokens: list[int], delay: float) -> None:
+        self.tokens, self.delay = tokens, delay
+        self.fail: BaseException | None = None  # set to make the next step raise
+
+    def execute(self, sched) -> ModelRunnerOutput:  # noqa: ANN001
+        if self.fail is not None:
+            raise self.fail
+        if sched.scheduled:
+            time.sleep(self.delay)
+        return ModelRunnerOutput({s.request_id: [self.tokens[(s.start_pos + len(s.token_ids)) % len(self.tokens)]]
+                                  for s in sched.scheduled if s.needs_logits})
+
+
+def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: int = 1024, max_num_seqs: int = 64,
+                delay: float = 0.01) -> LLMEngine:
+    """An LLMEngine whose model is a FakeRunner; everything else is the real engine code."""
+    tok = tiny_tokenizer()
+    e = LLMEngine.__new__(LLMEngine)
+    e.model_name = "fake"
+    e.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
+    e.tokenizer, e.max_model_len = tok, max_model_len
+    e.kv_cache = KVCacheManager(num_blocks, block_size)
+    e.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096), e.kv_cache,
+                            max_model_len)
+    e.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
+    e.output_processor = OutputProcessor(tok)
+    e.step_stats = deque(maxlen=1000)
+    e._ids = itertools.count()
+    return e
+
+
+@contextlib.contextmanager
+def running(engine: LLMEngine | None = None, *, max_waiting: int | None = None, **config):
+    engine = engine or fake_engine()
+    ae = AsyncEngine(engine, max_waiting_requests=max_waiting, log_interval=None, log_requests=False)
+    srv = BackgroundServer(build_app(ae, ServerConfig(**config))).start()
+    try:
+        yield srv, ae, engine
+    finally:
+        srv.stop(30)
+        ae.shutdown()
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def assert_no_leak(ae: AsyncEngine, engine: LLMEngine) -> None:
+    wait_for(lambda: ae.snapshot.num_open_streams == 0 and not engine.has_unfinished_requests(), 10, "idle engine")
+    wait_for(lambda: engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, 10, "all KV blocks free")
+    if ae.is_running:
+        ae.call_soon(engine.kv_cache.check_invariants).result(10)
+    else:
+        engine.kv_cache.check_invariants()
+
+
+def sse_events(lines) -> list:  # noqa: ANN001
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def stream_body(**kw) -> dict:
+    return {"prompt": "the cat", "max_tokens": 400, "stream": True, **kw}
+
+
+# ---- AsyncEngine on its own -------------------------------------------------------------------
+
+
+def test_async_engine_generate_and_early_exit_aborts():
+    engine = fake_engine(delay=0.005)
+    ae = AsyncEngine(engine, log_interval=None, log_requests=False).start()
+
+    async def main():
+        outs = [o async for o in ae.generate("the cat", SamplingParams(max_tokens=5), "a")]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
+        with pytest.raises(ValueError, match="prompt is empty"):  # validation errors reach the caller
+            await ae.add_request("", SamplingParams(), "b")
+        with pytest.raises(ValueError, match="already in use"):
+            s1 = await ae.add_request("the", SamplingParams(max_tokens=300), "c")
+            await ae.add_request("the", SamplingParams(max_tokens=300), "c")
+        s1.abort()
+        agen = ae.generate("the dog", SamplingParams(max_tokens=300), "d")
+        async for out in agen:  # leave after the first token: the finally aborts
+            break
+        await agen.aclose()
+
+    asyncio.run(main())
+    assert_no_leak(ae, engine)
+    ae.shutdown()
+    assert not ae.is_running
+
+
+def test_async_engine_queue_bound_and_draining():
+    engine = fake_engine(max_num_seqs=1, delay=0.02)
+    ae = AsyncEngine(engine, max_waiting_requests=2, log_interval=None, log_requests=False).start()
+
+    async def main():
+        first = await ae.add_request("the", SamplingParams(max_tokens=300), "r0")
+        await first.__anext__()  # running now
+        waiting = [await ae.add_request("the", SamplingParams(max_tokens=300), f"r{i}") for i in (1, 2)]
+        with pytest.raises(QueueFullError, match="max-waiting-requests"):
+            await ae.add_request("the", SamplingParams(max_tokens=3), "r3")
+        ae.stop_accepting()
+        with pytest.raises(EngineDrainingError):
+            await ae.add_request("the", SamplingParams(max_tokens=3), "r4")
+        for s in [first, *waiting]:
+            s.abort()
+
+    asyncio.run(main())
+    assert_no_leak(ae, engine)
+    ae.shutdown()
+
+
+# ---- overload ------------------------------------------------------------------------------------
+
+
+def test_overload_gets_503_and_recovers():
+    with running(fake_engine(max_num_seqs=1, delay=0.02), max_waiting=2) as (srv, ae, engine):
+        with contextlib.ExitStack() as stack:
+            clients = [stack.enter_context(httpx.Client(base_url=srv.url, timeout=30)) for _ in range(3)]
+            first = stack.enter_context(clients[0].stream("POST", "/v1/completions", json=stream_body()))
+            first_lines = first.iter_lines()  # keep a reference: dropping the iterator closes the stream
+            next(first_lines)  # it runs
+            for c in clients[1:]:
+                r = stack.enter_context(c.stream("POST", "/v1/completions", json=stream_body()))
+                assert r.status_code == 200
+            wait_for(lambda: ae.snapshot.num_waiting == 2, what="2 waiting")
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2})
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert err["code"] == "overloaded" and "max-waiting-requests" in err["message"]
+            assert r.headers["retry-after"] == "1"
+            r = httpx.post(srv.url + "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            assert r.status_code == 503
+        assert_no_leak(ae, engine)  # the streams were dropped: all aborted
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- disconnects -------------------------------------------------------------------------------
+
+
+def test_many_disconnects_under_load_free_every_block():
+    with running(fake_engine(delay=0.01)) as (srv, ae, engine):
+        def stream_then_leave(i: int) -> None:
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                with c.stream("POST", "/v1/completions", json=stream_body(prompt="the cat " * (i % 7 + 1))) as r:
+                    for k, _ in enumerate(r.iter_lines()):
+                        if k >= i % 3:
+                            break
+
+        def post_then_leave(i: int) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/v1/completions", json={"prompt": "the dog", "max_tokens": 400}, timeout=0.3)
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(stream_then_leave, range(48)))
+            list(pool.map(post_then_leave, range(8)))
+        assert_no_leak(ae, engine)
+        snap = httpx.get(srv.url + "/metrics").text
+        aborted = [ln for ln in snap.splitlines() if ln.startswith('vllm:request_success_total{finished_reason="abort"')]
+        assert float(aborted[0].split()[-1]) == 56
+
+
+# ---- engine death ------------------------------------------------------------------------------
+
+
+def test_engine_death_fails_in_flight_requests_and_health():
+    with running(fake_engine(delay=0.02)) as (srv, ae, engine):
+        with httpx.Client(base_url=srv.url, timeout=30) as c, ThreadPoolExecutor(1) as pool:
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                pending = pool.submit(httpx.post, srv.url + "/v1/completions",
+                                      json={"prompt": "the", "max_tokens": 400}, timeout=30)
+                wait_for(lambda: ae.snapshot.num_running == 2, what="both running")
+                engine.runner.fail = RuntimeError("simulated GPU fault")
+                events = sse_events(lines)
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "engine_dead" and "simulated GPU fault" in events[-2]["error"]["message"]
+            r = pending.result(10)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["error"]["code"] == "engine_dead"
+            r = c.post("/v1/completions", json={"prompt": "the", "max_tokens": 2})
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
+            assert c.get("/metrics").status_code == 200  # still scrapeable
+        assert not ae.healthy and isinstance(ae.error, RuntimeError)
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks  # freed on the way down
+
+
+# ---- draining ------------------------------------------------------------------------------
+
+
+def test_drain_finishes_in_flight_and_refuses_new():
+    with running(fake_engine(delay=0.02), drain_timeout=20) as (srv, ae, engine):
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=stream_body(max_tokens=40)) as r:
+                lines = r.iter_lines()
+                next(lines)
+                srv.signal_exit()  # what SIGTERM does
+                with httpx.Client(base_url=srv.url, timeout=5) as other:
+                    h = other.get("/health")
+                    assert h.status_code == 503 and h.json()["error"]["code"] == "draining"
+                    n = other.post("/v1/completions", json={"prompt": "the", "max_tokens": 2})
+                    assert n.status_code == 503 and n.json()["error"]["code"] == "draining"
+                events = sse_events(lines)
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        srv.thread.join(20)
+        assert not srv.thread.is_alive() and not ae.is_running
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_drain_timeout_aborts_what_is_left():
+    with running(fake_engine(delay=0.02), drain_timeout=0.5) as (srv, ae, engine):
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=stream_body(max_tokens=1000)) as r:
+                lines = r.iter_lines()
+                next(lines)
+                t0 = time.monotonic()
+                srv.signal_exit()
+                events = sse_events(lines)
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+        srv.thread.join(20)
+        assert not srv.thread.is_alive() and time.monotonic() - t0 < 10
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_and_exits_cleanly(tmp_path):
+    """A real process: `tokenmill serve` flags, TOKENMILL_API_KEY, SIGTERM mid-stream, exit code 0."""
+    port = _free_port()
+    env = {**os.environ, "TOKENMILL_API_KEY": "sekrit"}
+    proc = subprocess.Popen([sys.executable, __file__, "serve", "--port", str(port), "--drain-timeout", "20",
+                             "--uvicorn-log-level", "warning"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "the"}).status_code == 401
+        headers = {"Authorization": "Bearer sekrit"}
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=stream_body(max_tokens=30)) as r:
+                lines = r.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)
+                events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    import logging
+
+    from tokenmill.cli import build_parser
+    from tokenmill.server.app import serve_args
+
+    logging.basicConfig(level=logging.WARNING)
+    args = build_parser().parse_args(sys.argv[1:])
+    sys.exit(serve_args(fake_engine(delay=0.02), args))

@@ -1,0 +1,532 @@
+"""AsyncEngine: an LLMEngine stepping continuously on its own thread, fed from asyncio.
+
+Only the engine thread touches the LLMEngine. Callers (the HTTP server's event loop) send it
+commands through a FIFO queue -- add, abort, or "run this function between two steps" -- and it
+applies them all before every step, so an abort frees the request's KV blocks before the next
+step starts. Each request gets a :class:`RequestStream`; the engine thread posts that request's
+outputs to it with ``loop.call_soon_threadsafe``. Outputs are cumulative (full text and token ids
+so far), so a stream keeps only the newest one: a slow consumer costs O(1) memory and never
+holds up the batch.
+
+Validation errors of ``add_request`` (ValueError), a full waiting queue (:class:`QueueFullError`),
+a draining engine (:class:`EngineDrainingError`) and a dead engine (:class:`EngineDeadError`) are
+raised to the awaiting caller. If the loop crashes, the exception is recorded, every open stream
+fails with :class:`EngineDeadError` and ``healthy`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill.async_engine")
+request_logger = logging.getLogger("tokenmill.requests")
+stats_logger = logging.getLogger("tokenmill.stats")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has died; no request can be served any more."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The engine is shutting down and admits no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound (max_waiting_requests)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine state as of the last step or command batch (written by the engine thread only)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_open_streams: int = 0
+
+
+class EngineObserver(Protocol):
+    """Receives what the engine thread sees; called on the engine thread, so keep it quick."""
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+
+    def on_request_finished(self, output: RequestOutput, now: float) -> None: ...
+
+    def on_step(self, num_tokens: int, num_new_preemptions: int) -> None: ...
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of cumulative RequestOutputs.
+
+    Iteration ends after the finished output. Leaving early (``aclose``/``abort``, or the
+    consumer going away) aborts the request; aborting a finished request does nothing.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self.finished = False  # the finished output was consumed, or an error ended the stream
+        self._closed = False
+
+    # -- called on the event loop (posted by the engine thread) --
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out  # cumulative: the newest output holds everything the older ones did
+        self._event.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._event.set()
+
+    # -- consumer side --
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._latest is not None:
+                out, self._latest = self._latest, None
+                if out.finished:
+                    self.finished = True
+                return out
+            if self._error is not None:
+                self.finished = True
+                raise self._error
+            if self.finished or self._closed:
+                raise StopAsyncIteration
+            self._event.clear()
+            await self._event.wait()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished. Thread-safe, idempotent, non-blocking."""
+        self._closed = True
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    def __del__(self) -> None:  # safety net: a forgotten stream must not keep its request running
+        try:
+            if not self.finished and not self._closed:
+                self._engine.abort(self.request_id)
+        except Exception:
+            pass
+
+
+@dataclass
+class _Add:
+    prompt: Any
+    params: SamplingParams
+    request_id: str
+    priority: int
+    add_special_tokens: bool
+    arrival_time: float | None
+    stream: RequestStream
+    future: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    """Runs ``engine`` (an LLMEngine, or anything with its interface) on a background thread.
+
+    ``max_waiting_requests`` bounds the scheduler's waiting queue (in sequences; a request with
+    n=4 counts 4); an add beyond it raises QueueFullError. ``log_interval`` seconds between
+    periodic stats lines while busy (0 or None: never). ``observers`` get token counts and
+    finished requests (see EngineObserver), e.g. the Prometheus metrics.
+    """
+
+    def __init__(self, engine: Any, *, max_waiting_requests: int | None = None, log_interval: float | None = 10.0,
+                 log_requests: bool = True, observers: Sequence[EngineObserver] = ()) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.log_interval = log_interval
+        self.log_requests = log_requests
+        self.observers: list[EngineObserver] = list(observers)
+        self.error: BaseException | None = None  # why the loop died
+        self.snapshot = EngineSnapshot()
+        self._commands: deque = deque()
+        # guards _commands with _dead / _accepting / _stop; reentrant because RequestStream.__del__
+        # (run by the garbage collector at any allocation) may call abort() while it is held
+        self._cmd_lock = threading.RLock()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._progress: dict[str, list[int]] = {}  # request id -> output tokens seen per child (engine thread)
+        self._dead = False
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_preemptions = 0
+        self._num_steps = 0
+        # periodic stats
+        self._interval_start = time.perf_counter()
+        self._interval_prompt = 0
+        self._interval_gen = 0
+        self._interval_finished = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._last_preemptions = self.engine.num_preemptions
+            self._update_snapshot()
+            self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the loop has died (or was never started)."""
+        return not self._dead and self.is_running
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and not self._dead
+
+    def stop_accepting(self) -> None:
+        """Start draining: new adds raise EngineDrainingError; running requests continue."""
+        with self._cmd_lock:
+            self._accepting = False
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests with an open stream (admitted and not yet finished or aborted)."""
+        return self.snapshot.num_open_streams
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop admitting, abort everything still running (streams end with finish_reason
+        "abort"), stop the thread. Safe to call twice or on a dead engine."""
+        self.stop_accepting()
+        with self._cmd_lock:
+            self._stop = True
+        self._wakeup.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting and wait up to ``timeout`` s for in-flight requests; True if all finished."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout
+        while self.is_running and self.snapshot.num_open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.snapshot.num_open_streams
+
+    # ---- caller side (any thread with a running event loop) --------------------------------
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                          priority: int = 0, add_special_tokens: bool = True,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises ValueError (invalid or can never fit), QueueFullError, EngineDrainingError or
+        EngineDeadError. ``arrival_time`` (time.perf_counter) is when the request really arrived,
+        e.g. when its HTTP request was received; the latency metrics count from it.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cmd_lock:
+            if self._dead:
+                stream.finished = True
+                raise EngineDeadError(f"the engine loop has died: {self.error!r}")
+            if not self._accepting or self._stop:
+                stream.finished = True
+                raise EngineDrainingError("the server is shutting down and admits no new requests")
+            self._commands.append(_Add(prompt, params, request_id, priority, add_special_tokens,
+                                       arrival_time, stream, future))
+        self._wakeup.set()
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add: applied after it, in order
+            stream.finished = True
+            raise
+        except BaseException:
+            stream.finished = True
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """``async for out in engine.generate(...)``: outputs until finished; aborts if the consumer leaves."""
+        stream = await self.add_request(prompt, params, request_id, priority, add_special_tokens)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, non-blocking); its blocks are free before the next step."""
+        with self._cmd_lock:
+            if self._dead or not self.is_running:
+                return  # nothing runs any more: nothing to abort
+            self._commands.append(_Abort(request_id))
+        self._wakeup.set()
+
+    def abort_all(self) -> concurrent.futures.Future:
+        """Abort every open request (their streams end with finish_reason "abort")."""
+        return self.call_soon(lambda: [self._apply_abort(rid) for rid in list(self._streams)])
+
+    def call_soon(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the engine thread between two steps; a Future of its result.
+
+        The way to look at engine state consistently from another thread (tests, debugging).
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cmd_lock:
+            if self._dead or not self.is_running:
+                future.set_exception(EngineDeadError("the engine loop is not running"))
+                return future
+            self._commands.append(_Call(fn, future))
+        self._wakeup.set()
+        return future
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wakeup.clear()
+                self._apply_commands()
+                if self._stop:
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    now = time.perf_counter()
+                    self._num_steps += 1
+                    self._dispatch(outputs, now)
+                    self._after_step(now)
+                else:
+                    self._update_snapshot()
+                    self._wakeup.wait(1.0)
+            self._abort_all("engine shut down")
+        except BaseException as e:  # noqa: BLE001 - anything that kills the loop is reported
+            self._die(e)
+        finally:
+            self._update_snapshot()
+
+    def _apply_commands(self) -> None:
+        while True:
+            with self._cmd_lock:
+                if not self._commands:
+                    return
+                cmd = self._commands.popleft()
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._apply_abort(cmd.request_id)
+            else:
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn())
+                    except BaseException as e:  # noqa: BLE001
+                        cmd.future.set_exception(e)
+
+    def _apply_add(self, cmd: _Add) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return
+        engine = self.engine
+        try:
+            limit = self.max_waiting_requests
+            n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
+            if limit is not None and len(engine.scheduler.waiting) + n > limit:
+                raise QueueFullError(
+                    f"the server is overloaded: {len(engine.scheduler.waiting)} sequences are waiting and the "
+                    f"limit is {limit} (--max-waiting-requests); retry later")
+            rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too
+            cmd.future.set_exception(e)
+            return
+        if cmd.arrival_time is not None:
+            # The engine stamps arrival when add_request runs, i.e. after this command waited for the
+            # step in flight; the request arrived earlier. Latency metrics count from the real arrival.
+            scheduler = engine.scheduler
+            for cid in engine.output_processor.child_ids(rid):
+                req = scheduler.requests.get(cid)
+                if req is not None and cmd.arrival_time < req.timings.arrival:
+                    req.timings.arrival = cmd.arrival_time
+        self._streams[rid] = cmd.stream
+        self._progress[rid] = [0] * (cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
+        cmd.future.set_result(rid)
+
+    def _apply_abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        now = time.perf_counter()
+        if out is not None:
+            self._account(out, now)
+        stream = self._streams.pop(request_id, None)
+        self._progress.pop(request_id, None)
+        if out is not None and stream is not None:
+            self._post(stream, stream._put, out)
+
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            self._account(out, now)  # metrics first: a client that got its answer sees them counted
+            if out.finished:
+                stream = self._streams.pop(out.request_id, None)
+                self._progress.pop(out.request_id, None)
+            else:
+                stream = self._streams.get(out.request_id)
+            if stream is not None:
+                self._post(stream, stream._put, out)
+
+    def _account(self, out: RequestOutput, now: float) -> None:
+        seen = self._progress.get(out.request_id)
+        if seen is None:
+            seen = self._progress[out.request_id] = [0] * len(out.outputs)
+        prompt = gen = 0
+        for c in out.outputs:
+            if c.index >= len(seen):
+                seen.extend([0] * (c.index + 1 - len(seen)))
+            n = len(c.token_ids)
+            if n > seen[c.index]:
+                if seen[c.index] == 0:
+                    prompt += len(out.prompt_token_ids)  # this sequence's prefill is done
+                gen += n - seen[c.index]
+                seen[c.index] = n
+        self._interval_prompt += prompt
+        self._interval_gen += gen
+        for obs in self.observers:
+            self._notify(obs.on_tokens, prompt, gen)
+        if out.finished:
+            self._interval_finished += 1
+            for obs in self.observers:
+                self._notify(obs.on_request_finished, out, now)
+            if self.log_requests:
+                _log_finished(out, now)
+
+    def _after_step(self, now: float) -> None:
+        engine = self.engine
+        pre = engine.num_preemptions
+        new_pre, self._last_preemptions = pre - self._last_preemptions, pre
+        stats = engine.step_stats[-1] if engine.step_stats else None
+        num_tokens = (stats.num_prefill_tokens + stats.num_decode_tokens) if stats is not None else 0
+        for obs in self.observers:
+            self._notify(obs.on_step, num_tokens, new_pre)
+        self._update_snapshot()
+        if self.log_interval and now - self._interval_start >= self.log_interval:
+            dt = now - self._interval_start
+            s = self.snapshot
+            stats_logger.info(
+                "engine: %.1f prompt tokens/s, %.1f generation tokens/s, %d requests finished; "
+                "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total",
+                self._interval_prompt / dt, self._interval_gen / dt, self._interval_finished, s.num_running,
+                s.num_waiting, 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks,
+                s.num_preemptions)
+            self._interval_start, self._interval_prompt, self._interval_gen, self._interval_finished = now, 0, 0, 0
+
+    def _update_snapshot(self) -> None:
+        engine = self.engine
+        try:
+            kv = engine.kv_cache
+            self.snapshot = EngineSnapshot(
+                len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, kv.num_free_blocks,
+                kv.num_blocks, engine.num_preemptions, self._num_steps, len(self._streams))
+        except Exception:  # noqa: BLE001 - a broken engine must not break reporting
+            logger.exception("could not read engine state")
+
+    @staticmethod
+    def _notify(fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - an observer bug must not kill the engine
+            logger.exception("engine observer %r failed", fn)
+
+    @staticmethod
+    def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
+        try:
+            stream._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
+
+    def _abort_all(self, why: str) -> None:
+        for rid in list(self._streams):
+            try:
+                self._apply_abort(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("aborting %s on %s failed", rid, why)
+        with self._cmd_lock:
+            pending, self._commands = list(self._commands), deque()
+        err = EngineDrainingError("the server is shutting down")
+        for cmd in pending:
+            if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(err)
+        with self._cmd_lock:  # anything that raced in after the thread stopped is refused by add_request
+            self._accepting = False
+
+    def _die(self, exc: BaseException) -> None:
+        logger.error("the engine loop died: %r", exc, exc_info=exc)
+        self.error = exc
+        with self._cmd_lock:
+            self._dead = True
+            pending, self._commands = list(self._commands), deque()
+        dead = EngineDeadError(f"the engine loop died: {exc!r}")
+        dead.__cause__ = exc
+        for cmd in pending:
+            if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(dead)
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            self._post(stream, stream._fail, dead)
+        # Best effort: free what the dead requests held, so the KV accounting stays readable.
+        for rid in list(self._progress):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                pass
+        self._progress.clear()
+
+
+def _fmt(v: float | None, unit: str = "s") -> str:
+    return "-" if v is None else f"{v:.3f} {unit}"
+
+
+def _log_finished(out: RequestOutput, now: float) -> None:
+    for c, m in zip(out.outputs, out.metrics or [None] * len(out.outputs)):
+        rid = out.request_id if len(out.outputs) == 1 else f"{out.request_id}#{c.index}"
+        if m is None:
+            request_logger.info("request %s finished (%s): prompt %d tokens, output %d tokens", rid,
+                                c.finish_reason, len(out.prompt_token_ids), len(c.token_ids))
+            continue
+        e2e = (m.finished_time or now) - m.arrival_time
+        request_logger.info(
+            "request %s finished (%s): prompt %d tokens, output %d tokens, queue %s, TTFT %s, TPOT %s, e2e %s",
+            rid, c.finish_reason, len(out.prompt_token_ids), len(c.token_ids), _fmt(m.queue_time), _fmt(m.ttft),
+            _fmt(m.tpot), _fmt(e2e))

@@ -1,0 +1,42 @@
+"""Flags of ``tokenmill serve`` (no heavy imports: the CLI builds its parser with this)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="model to serve; same as --model (default: the embedded SmolLM2)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes it to the network)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: the TOKENMILL_API_KEY "
+                        "environment variable; unset = no auth). /health, /metrics and /version stay open")
+    g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="model name clients must send (repeatable; the first is reported; default: the model's "
+                        "name, e.g. smollm2-135m-instruct)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="bound on sequences waiting for the scheduler; beyond it requests get 503 (default 256)")
+    g.add_argument("--max-n", type=int, default=8, help="largest n (completions per prompt) a request may ask "
+                   "for (default 8)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask for (default and maximum 20)")
+    g.add_argument("--max-prompts", type=int, default=32,
+                   help="most prompts in one batched /v1/completions request (default 32)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body in bytes; bigger ones get 413 (default 1048576 = 1 MiB)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: stop admitting, give in-flight requests this many seconds to finish, "
+                        "then abort them and exit (default 30)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request (id, tokens, TTFT, TPOT, finish reason)")
+    g.add_argument("--disable-access-log", action="store_true", help="no uvicorn access log line per HTTP request")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (default info)")

@@ -1,0 +1,137 @@
+"""Prometheus metrics with vLLM's names, labels and meanings, so vLLM dashboards work as they are.
+
+Each server gets a private CollectorRegistry (several servers can live in one process). The
+histograms are fed from the per-request timings the engine records (RequestMetrics) when a
+request finishes; the token counters grow as tokens are produced; the gauges are read from the
+engine's snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.engine.async_engine import EngineSnapshot
+from tokenmill.outputs import RequestOutput
+
+# vLLM's buckets
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > max_model_len:
+                return [float(b) for b in out]
+            out.append(v)
+        exp += 1
+
+
+class ServerMetrics:
+    """The /metrics collectors; an EngineObserver (its on_* methods run on the engine thread)."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], max_model_len: int = 2048,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
+            Gauge(name, doc, labels, registry=reg).labels(model_name).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              lambda: snapshot().num_running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              lambda: snapshot().num_waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              lambda: snapshot().kv_cache_usage)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                         "tokens.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # present from the start, at 0
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        TOKEN_LATENCY_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        tb = _token_buckets(max_model_len)
+        self.req_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tb)
+        self.req_generation_tokens = hist("vllm:request_generation_tokens",
+                                          "Number of generation tokens processed.", tb)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+
+    # ---- EngineObserver ----------------------------------------------------------------
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self.generation_tokens.inc(num_generation_tokens)
+
+    def on_step(self, num_tokens: int, num_new_preemptions: int) -> None:
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
+        if num_new_preemptions:
+            self.preemptions.inc(num_new_preemptions)
+
+    def on_request_finished(self, output: RequestOutput, now: float) -> None:
+        """One observation per sequence (an n=3 request counts 3), as vLLM does with its n fan-out."""
+        for c, m in zip(output.outputs, output.metrics):
+            self._success.labels(self._model_name, c.finish_reason or "abort").inc()
+            self.req_prompt_tokens.observe(len(output.prompt_token_ids))
+            self.req_generation_tokens.observe(len(c.token_ids))
+            # A request ended by a stop string reports finished_time None (engine bug, see the
+            # server's notes); it ended in the step that just returned, i.e. at `now`.
+            finished = m.finished_time if m.finished_time is not None else now
+            self.e2e.observe(max(0.0, finished - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+                self.inference.observe(max(0.0, finished - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+                if m.first_scheduled_time is not None:
+                    self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                self.decode.observe(max(0.0, finished - m.first_token_time))
+            for d in m.itls:
+                self.itl.observe(d)
+            if m.tpot is not None:
+                self.tpot.observe(m.tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,125 @@
+"""OpenAI request schemas (pydantic, strict types) and the OpenAI error object.
+
+Types are strict: a string where a number belongs is an error, not a coercion. Ranges that do
+not depend on the server's configuration are checked here, so a bad field is named in the
+error's ``param``; the rest (caps, context length) is checked in the handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+class OpenAIError(Exception):
+    """An error the server answers with ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:  # noqa: A002
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _default_type(status)
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:  # noqa: A002
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param, code)
+
+
+class _Strict(BaseModel):
+    # Unknown fields are ignored (clients send vendor extensions); known ones must have the right type.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k (vLLM extension)")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e6)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    n: int | None = Field(1, ge=1)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(0, ge=0)
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    priority: int | None = Field(0, ge=INT32_MIN, le=INT32_MAX,
+                                 description="scheduling priority (vLLM extension; lower runs first)")
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool | None = Field(True, description="vLLM extension")
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
