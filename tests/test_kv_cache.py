@@ -53,6 +53,16 @@ def test_pool_allocation_failure_changes_nothing():
     assert pool.num_free_blocks == 4
 
 
+def test_pool_shared_block_is_free_only_when_its_last_holder_lets_go():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.ref_cnt[b] += 1  # a second holder (what prefix caching will do)
+    pool.free([b])
+    assert pool.ref_cnt[b] == 1 and b not in pool.free_blocks
+    pool.free([b])
+    assert pool.ref_cnt[b] == 0 and list(pool.free_blocks).count(b) == 1
+
+
 def test_pool_double_free_raises():
     pool = BlockPool(3)
     a = pool.allocate(1)

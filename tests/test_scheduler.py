@@ -375,21 +375,25 @@ def test_preemption_picks_most_recently_admitted_and_requeues_it_at_the_front():
 
 
 def test_no_admission_in_a_step_that_preempted():
-    # 4 blocks of 4: a, b take one each, c two. a's 5th token preempts c, which frees two blocks:
-    # one is left over, and d would fit in it, but nothing is admitted in a step that had to preempt.
-    sched = make_scheduler(num_blocks=4, block_size=4)
+    # 5 blocks of 2, budget 6, chunked. Step 1: a's prompt (1 block) and 4 of b's 7 (2 blocks).
+    # Step 2: a's decode takes a 4th block; b's next 3 tokens need 2 more, 1 is free, so b (the newest)
+    # preempts itself. Its 2 blocks come back (3 free), and with 5 tokens of budget left b could be
+    # readmitted at once, but a step that preempted admits nothing: b waits for the next one.
+    sched = make_scheduler(num_blocks=5, block_size=2, max_num_batched_tokens=6, chunked=True)
     runner = FakeRunner(sched)
-    for rid, n in [("a", 4), ("b", 3), ("c", 8)]:
-        sched.add_request(make_request(rid, n, max_tokens=6))
-    step(sched, runner)
-    assert sched.kv_cache.num_free_blocks == 0
-    sched.add_request(make_request("d", 2, max_tokens=2))
+    sched.add_request(make_request("a", 2, max_tokens=4))
+    sched.add_request(make_request("b", 7, max_tokens=3))
     out, _ = step(sched, runner)
-    assert out.preempted_request_ids == ["c"]
-    assert [s.request_id for s in out.scheduled] == ["a", "b"] and not out.new_requests
-    assert sched.kv_cache.num_free_blocks == 1
-    assert [r.request_id for r in sched.waiting] == ["c", "d"]
-    drain(sched, runner)
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("a", 0, 2), ("b", 0, 4)]
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ["b"]
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert sched.kv_cache.num_free_blocks == 3
+    assert [r.request_id for r in sched.waiting] == ["b"] and sched.requests["b"].num_computed_tokens == 0
+    out, _ = step(sched, runner)
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("a", 3, 1), ("b", 0, 5)]
+    done = drain(sched, runner)
+    assert done["b"].output_token_ids == [fake_token("b", i) for i in range(3)]
 
 
 def test_preempting_the_request_that_needs_room_when_it_is_the_newest():
@@ -699,7 +703,24 @@ def test_prefill_and_decode_token_accounting():
     sched.add_request(make_request("a", 3, max_tokens=5))
     out, _ = step(sched, runner)
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (3, 0)
-    sched.add_request(make_request("b", 20, max_tokens=2))
+    sched.add_request(make_request("b", 19, max_tokens=2))
     out, _ = step(sched, runner)
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (9, 1)
     assert cdiv(9, 4) == len(sched.kv_cache.block_tables["b"])
+    out, _ = step(sched, runner)
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (9, 1)  # b: 9 more of its prompt, a: decode
+    out, _ = step(sched, runner)
+    # b's last prompt token is a 1-token chunk, but still prefill work
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("a", 1), ("b", 1)]
+    assert out.scheduled[1].start_pos == 18 and out.scheduled[1].needs_logits
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (1, 1)
+
+
+def test_one_token_prompt_counts_as_prefill():
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("one", 1, max_tokens=3))
+    out, _ = step(sched, runner)
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (1, 0)
+    out, _ = step(sched, runner)
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)

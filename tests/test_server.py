@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -78,8 +79,6 @@ def assert_idle(server, timeout: float = 30.0) -> None:
         engine.kv_cache.check_invariants()
         return (not engine.has_unfinished_requests() and
                 engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks)
-
-    import time
 
     deadline = time.monotonic() + timeout
     while not ae.call_soon(idle).result(timeout):
@@ -201,7 +200,8 @@ def test_n_seed_and_logprobs(http):
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
         assert all(math.isfinite(x) and x <= 0 for x in lp["token_logprobs"])
         assert all(len(t) >= 2 for t in lp["top_logprobs"])
-        assert "".join(lp["tokens"]) == c["text"]
+        if not any("\ufffd" in t for t in lp["tokens"]):  # pieces of one character do not join back
+            assert "".join(lp["tokens"]) == c["text"]
 
 
 def test_stream_logprobs_raw_sse(http):
@@ -522,8 +522,8 @@ def _clip(body) -> object:
                 body[k] = 1
         if body.get("ignore_eos") and not isinstance(body.get("max_tokens"), int):
             body["max_tokens"] = 1
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = 1
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 1  # absent or null means 16 (completions) or the whole context (chat)
         if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2 and isinstance(body["prompt"][0], str):
             body["prompt"] = body["prompt"][:2]
         if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:

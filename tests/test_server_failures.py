@@ -14,12 +14,12 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -179,6 +179,26 @@ def test_async_engine_queue_bound_and_draining():
     ae.shutdown()
 
 
+def test_request_and_periodic_stats_log_lines(caplog):
+    caplog.set_level(logging.INFO, logger="tokenmill")
+    engine = fake_engine(delay=0.02)
+    ae = AsyncEngine(engine, log_interval=0.05).start()
+
+    async def main():
+        return [o async for o in ae.generate("the cat", SamplingParams(max_tokens=6), "req-1")][-1]
+
+    out = asyncio.run(main())
+    ae.shutdown()
+    lines = [r.getMessage() for r in caplog.records]
+    done = [ln for ln in lines if ln.startswith("request req-1 finished")]
+    assert len(done) == 1
+    n_prompt = len(out.prompt_token_ids)
+    assert f"finished (length): prompt {n_prompt} tokens, output 6 tokens" in done[0]
+    assert "TTFT 0." in done[0] and "TPOT 0." in done[0] and "e2e" in done[0]
+    stats = [ln for ln in lines if ln.startswith("engine: ")]
+    assert stats and "generation tokens/s" in stats[0] and "running" in stats[0] and "KV cache" in stats[0]
+
+
 # ---- overload ------------------------------------------------------------------------------------
 
 
@@ -207,6 +227,20 @@ def test_overload_gets_503_and_recovers():
 
 
 # ---- disconnects -------------------------------------------------------------------------------
+
+
+def test_disconnect_frees_blocks_within_one_step():
+    with running(fake_engine(delay=0.1)) as (srv, ae, engine):
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=stream_body(prompt="the cat " * 40)) as r:
+                lines = r.iter_lines()
+                next(lines)
+                assert engine.kv_cache.num_free_blocks < engine.kv_cache.num_blocks
+                steps_at_close = ae.snapshot.num_steps
+        wait_for(lambda: engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, 5, "blocks freed")
+        # the step running at the disconnect may finish; the abort is applied before the next one
+        assert ae.snapshot.num_steps - steps_at_close <= 2
+        assert_no_leak(ae, engine)
 
 
 def test_many_disconnects_under_load_free_every_block():
@@ -337,8 +371,6 @@ def test_sigterm_drains_and_exits_cleanly(tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-    import logging
-
     from tokenmill.cli import build_parser
     from tokenmill.server.app import serve_args
 

@@ -118,9 +118,23 @@ class RequestStream:
 
     def abort(self) -> None:
         """Abort the request unless it already finished. Thread-safe, idempotent, non-blocking."""
+        if self._closed:
+            return
         self._closed = True
         if not self.finished:
             self._engine.abort(self.request_id)
+        # wake a consumer waiting in __anext__, so it ends now
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._event.set()
+        else:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the loop is closed
+                pass
 
     async def aclose(self) -> None:
         self.abort()
@@ -336,6 +350,8 @@ class AsyncEngine:
                 else:
                     self._update_snapshot()
                     self._wakeup.wait(1.0)
+                    if not (self._interval_prompt or self._interval_gen or self._interval_finished):
+                        self._interval_start = time.perf_counter()  # stats intervals count busy time
             self._abort_all("engine shut down")
         except BaseException as e:  # noqa: BLE001 - anything that kills the loop is reported
             self._die(e)
@@ -394,18 +410,24 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         self._progress.pop(request_id, None)
         if out is not None and stream is not None:
+            self._update_snapshot()  # before the consumer hears of it: what it reads next is current
             self._post(stream, stream._put, out)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        # Metrics and the snapshot first, outputs last: a client that got its answer sees them current.
+        posts = []
         for out in outputs:
-            self._account(out, now)  # metrics first: a client that got its answer sees them counted
+            self._account(out, now)
             if out.finished:
                 stream = self._streams.pop(out.request_id, None)
                 self._progress.pop(out.request_id, None)
             else:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
-                self._post(stream, stream._put, out)
+                posts.append((stream, out))
+        self._update_snapshot()
+        for stream, out in posts:
+            self._post(stream, stream._put, out)
 
     def _account(self, out: RequestOutput, now: float) -> None:
         seen = self._progress.get(out.request_id)
@@ -440,7 +462,6 @@ class AsyncEngine:
         num_tokens = (stats.num_prefill_tokens + stats.num_decode_tokens) if stats is not None else 0
         for obs in self.observers:
             self._notify(obs.on_step, num_tokens, new_pre)
-        self._update_snapshot()
         if self.log_interval and now - self._interval_start >= self.log_interval:
             dt = now - self._interval_start
             s = self.snapshot

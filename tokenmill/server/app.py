@@ -343,16 +343,27 @@ class OpenAIServing:
                               f"{max_tokens_param} to at most {ctx - n}", max_tokens_param, "context_length_exceeded")
 
     async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float) -> None:
-        """Queue every prompt; on any failure abort what was queued and raise an OpenAIError."""
+        """Queue every prompt (all in the same engine pause); on any failure abort what was queued and
+        raise an OpenAIError."""
+        one = len(prep.prompt_ids) == 1
+        adds = [asyncio.ensure_future(self.engine.add_request(
+            ids, prep.params, request_id if one else f"{request_id}-{i}", priority, add_special_tokens=False,
+            arrival_time=arrival)) for i, ids in enumerate(prep.prompt_ids)]
         try:
-            for i, ids in enumerate(prep.prompt_ids):
-                rid = request_id if len(prep.prompt_ids) == 1 else f"{request_id}-{i}"
-                prep.streams.append(await self.engine.add_request(ids, prep.params, rid, priority,
-                                                                  add_special_tokens=False, arrival_time=arrival))
-        except BaseException as e:
-            for s in prep.streams:
-                s.abort()
-            raise self._engine_error(e, prep) from e
+            results = await asyncio.gather(*adds, return_exceptions=True)
+        except BaseException:  # cancelled (client gone): the adds abort themselves when cancelled
+            for t in adds:
+                t.cancel()
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result().abort()
+            raise
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if errors:
+            for st in streams:
+                st.abort()
+            raise self._engine_error(errors[0], prep) from errors[0]
+        prep.streams.extend(streams)
 
     def _engine_error(self, e: BaseException, prep: _Prepared) -> BaseException:
         if isinstance(e, QueueFullError):
@@ -384,8 +395,6 @@ class OpenAIServing:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
                                       logprobs=req.logprobs, logprobs_param="logprobs")
-        if len(prompts) * params.n > self.config.max_prompts * self.config.max_n:  # pragma: no cover - bounded above
-            raise bad_request("too many completions requested", "n")
         ids_list, texts = [], []
         for p in prompts:
             if isinstance(p, str):
@@ -460,12 +469,13 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
+        merged = _merge(prep.streams)
         try:
             if echo:
                 for pi, text in enumerate(prep.prompt_texts):
                     yield chunk([{"index": pi * n + i, "text": text, "logprobs": None, "finish_reason": None}
                                  for i in range(n)])
-            async for pi, out in _merge(prep.streams):
+            async for pi, out in merged:
                 for c in out.outputs:
                     idx = pi * n + c.index
                     if idx in done:
@@ -491,6 +501,11 @@ class OpenAIServing:
                             "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
         except EngineDeadError as e:
             yield _sse(OpenAIError(500, str(e), None, "engine_dead").body())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
+            logger.error("stream %s failed: %r", request_id, e, exc_info=e)
+            yield _sse(OpenAIError(500, f"internal server error: {type(e).__name__}", None, "internal_error").body())
+        finally:
+            await merged.aclose()
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
@@ -528,7 +543,8 @@ class OpenAIServing:
                                           f"messages[{i}].content")
                     texts.append(part.text)
                 content = "\n".join(texts)
-            msg = {**(m.model_extra or {}), "role": m.role, "content": content}
+            # null content (allowed by OpenAI, e.g. an assistant turn) renders as empty text
+            msg = {**(m.model_extra or {}), "role": m.role, "content": "" if content is None else content}
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
@@ -542,6 +558,9 @@ class OpenAIServing:
             ids = await asyncio.to_thread(render)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template can fail in any way on odd input (TypeError, ...)
+            raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                              "messages") from None
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         self.check_context(ids, max_tokens, "messages", max_tokens_param)
@@ -591,10 +610,11 @@ class OpenAIServing:
                 body["usage"] = None
             return _sse(body)
 
+        merged = _merge(prep.streams)
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(params.n)])
-            async for _, out in _merge(prep.streams):
+            async for _, out in merged:
                 for c in out.outputs:
                     if c.index in done:
                         continue
@@ -619,6 +639,11 @@ class OpenAIServing:
                             "choices": [], "usage": _usage(len(prep.prompt_ids[0]), completion_tokens)})
         except EngineDeadError as e:
             yield _sse(OpenAIError(500, str(e), None, "engine_dead").body())
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
+            logger.error("stream %s failed: %r", request_id, e, exc_info=e)
+            yield _sse(OpenAIError(500, f"internal server error: {type(e).__name__}", None, "internal_error").body())
+        finally:
+            await merged.aclose()
         yield "data: [DONE]\n\n"
 
 
@@ -695,9 +720,15 @@ async def _collect(streams: Sequence[RequestStream], raw: Request) -> list[Reque
 
     async def consume() -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in _merge(streams):
-            if out.finished:
-                finals[i] = out
+        merged = _merge(streams)
+        try:
+            async for i, out in merged:
+                if out.finished:
+                    finals[i] = out
+        finally:
+            await merged.aclose()
+        if len(finals) < len(streams):
+            raise OpenAIError(503, "the request was aborted before it finished", None, "aborted")
         return [finals[i] for i in range(len(streams))]
 
     async def disconnected() -> None:
@@ -708,6 +739,9 @@ async def _collect(streams: Sequence[RequestStream], raw: Request) -> list[Reque
     work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.done() and not watch.cancelled() and watch.exception() is not None:
+            # the disconnect watch itself failed: just wait for the result
+            await asyncio.wait({work})
         if work.done():
             try:
                 return work.result()
@@ -820,8 +854,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             why = f"the engine loop died: {engine.error!r}" if engine.error is not None else "the engine is not running"
             return json_response(error_body(why, "server_error", None, "engine_dead"), 503)
         if serving.draining or not engine.accepting:
-            return json_response(error_body("the server is shutting down", "service_unavailable_error", None,
-                                            "draining"), 503)
+            return json_response(error_body("the server is shutting down", "server_error", None, "draining"), 503)
         return json_response({"status": "ok"})
 
     @app.get("/version")
@@ -938,14 +971,16 @@ def serve(engine: AsyncEngine, config: ServerConfig, host: str = "127.0.0.1", po
     app = build_app(engine, config)
     server = make_server(app, host, port, log_level=log_level, access_log=access_log)
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit.
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly)
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         server.run()
     except SystemExit as e:
         if e.code not in (0, None):
             raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0 if engine.error is None else 1
 
 

@@ -33,15 +33,9 @@ class OpenAIError(Exception):
 
 
 def _default_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 503:
-        return "service_unavailable_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
+    # OpenAI's convention: every client error is an invalid_request_error (the code says which),
+    # every server-side one a server_error.
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:  # noqa: A002
