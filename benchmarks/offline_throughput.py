@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=["fixed", "mixed", "all"], default="all")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests in the fixed workload (default 64)")
     ap.add_argument("--num-mixed", type=int, default=32, help="requests in the mixed workload (default 32)")
-    ap.add_argument("--dtype", default="bfloat16", help="dtype for both engines (default bfloat16)")
+    ap.add_argument("--dtype", default="auto", help="dtype for both engines (default auto: what tokenmill picks)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="measure tokenmill only")
@@ -87,7 +87,8 @@ def main() -> None:
 
         src = resolve_model(path).path
         hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                  dtype=getattr(torch, a.dtype)).eval()
+                                                  dtype=llm.engine.dtype).eval()
+    print(f"dtype {llm.engine.dtype}, torch threads {torch.get_num_threads()}", flush=True)
     workloads = ["fixed", "mixed"] if a.workload == "all" else [a.workload]
     results = []
     run_tokenmill(llm, make_workload("fixed", 4, vocab, 999))  # warm-up
@@ -119,7 +120,7 @@ def main() -> None:
         print(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"dtype": a.dtype, "torch_threads": torch.get_num_threads(), "results": results}, f, indent=2)
+            json.dump({"dtype": str(llm.engine.dtype), "torch_threads": torch.get_num_threads(), "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

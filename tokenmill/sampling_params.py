@@ -70,7 +70,7 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
+        if self.top_k < -1 or self.top_k >= 2**31:
             raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
@@ -80,8 +80,8 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            raise bad("seed", "must be a 64-bit integer or None")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be a positive integer or None (fill the context)")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

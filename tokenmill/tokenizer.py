@@ -175,6 +175,8 @@ class Tokenizer:
                                          **variables)
         except jinja2.TemplateError as e:  # includes the template's own raise_exception(...)
             raise ValueError(f"chat template rejected the messages: {e}") from e
+        except (TypeError, AttributeError, KeyError, IndexError) as e:  # a template tripping over odd values
+            raise ValueError(f"chat template could not render the messages ({type(e).__name__}: {e})") from e
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
                     ) -> IncrementalDetokenizer:

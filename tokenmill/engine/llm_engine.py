@@ -116,6 +116,9 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority))
+        clash = [r.request_id for r in children if r.request_id in self.scheduler.requests]
+        if clash:
+            raise ValueError(f"request id {clash[0]!r} is already in use")
         for r in children:
             self.scheduler.add_request(r)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, children)
@@ -138,9 +141,10 @@ class LLMEngine:
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
         updated = [self.scheduler.requests[r] for r in result.sampled_token_ids if r in self.scheduler.requests]
-        outputs, stopped = self.output_processor.process(updated + finished, result.logprobs)
-        for cid in stopped:
+        touched, stopped = self.output_processor.process(updated + finished, result.logprobs)
+        for cid in stopped:  # a stop string matched: end it now so its blocks and finish time are set
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_STOPPED)
+        outputs = self.output_processor.emit(touched)
         self.step_stats.append(StepStats(
             start, time.perf_counter() - start, sched.num_prefill_tokens, sched.num_decode_tokens,
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),

@@ -59,9 +59,9 @@ class OutputProcessor:
         group = self.groups.get(request_id)
         return [c.request.request_id for c in group.children] if group else []
 
-    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
-        """Consume new tokens of the given requests. Returns (outputs of touched groups,
-        child ids that a stop string ended and the scheduler must finish)."""
+    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[_Group], list[str]]:
+        """Consume new tokens of the given requests. Returns (the groups touched, for ``emit``,
+        and the child ids that a stop string ended, which the scheduler must finish)."""
         touched: dict[str, _Group] = {}
         stopped: list[str] = []
         for req in updated:
@@ -79,11 +79,14 @@ class OutputProcessor:
                 child.finish_reason = req.status.value
                 child.stop_reason = req.stop_reason
                 child.text += child.detok.flush()
-        outputs = [self._output(g) for g in touched.values()]
-        for g in touched.values():
+        return list(touched.values()), stopped
+
+    def emit(self, groups: list[_Group]) -> list[RequestOutput]:
+        outputs = [self._output(g) for g in groups]
+        for g in groups:
             if g.finished:
                 self._drop(g)
-        return outputs, stopped
+        return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)

@@ -53,7 +53,8 @@ class ModelRunner:
     def _add(self, r: NewRequestData) -> None:
         p = r.sampling_params
         gen = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
-        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids)))
+        stop_ids = sorted(t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                          if t < self.vocab_size)
         self.states[r.request_id] = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p,
                                                   r.eos_token_ids, gen, stop_ids)
 
