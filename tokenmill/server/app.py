@@ -91,6 +91,16 @@ def _sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
+def _chunk_builder(request_id: str, obj: str, created: int, model: str, include_usage: bool):
+    """One SSE event per call; with include_usage every chunk carries "usage": null, as OpenAI's do."""
+    def chunk(choices: list[dict]) -> str:
+        body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return _sse(body)
+    return chunk
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events that also watch for the client going away.
 
@@ -462,12 +472,7 @@ class OpenAIServing:
         done: set[int] = set()
         completion_tokens = 0
 
-        def chunk(choices: list[dict]) -> str:
-            body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _chunk_builder(request_id, "text_completion", created, model, include_usage)
 
         merged = _merge(prep.streams)
         try:
@@ -603,12 +608,7 @@ class OpenAIServing:
         done: set[int] = set()
         completion_tokens = 0
 
-        def chunk(choices: list[dict]) -> str:
-            body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _chunk_builder(request_id, "chat.completion.chunk", created, model, include_usage)
 
         merged = _merge(prep.streams)
         try:
