@@ -39,10 +39,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor], meta):
+    def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = rope(positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d))
+        q, k = RotaryEmbedding.apply(q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), *rope_tables)
         o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv[0], kv[1], meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x, rope_tables, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,8 +91,9 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
     ) -> torch.Tensor:  # [N, V] float32
         x = self.embed_tokens(input_ids)
+        rope_tables = self.rope.tables(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta)
+            x = layer(x, rope_tables, kv, meta)
         # The output head is the largest GEMM: run it only where a token is sampled.
         x = self.norm(x[logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

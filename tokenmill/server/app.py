@@ -91,6 +91,30 @@ def _sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
+class _DeltaTracker:
+    """What each streamed choice has already sent, so each event carries only the new part."""
+
+    def __init__(self) -> None:
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.completion_tokens = 0
+
+    def delta(self, idx: int, c) -> tuple[str, list[int], int, int] | None:
+        """(new text, new token ids, text offset, token offset), or None when there is nothing to send."""
+        if idx in self.done:
+            return None
+        start, tstart = self.sent_text.get(idx, 0), self.sent_tokens.get(idx, 0)
+        delta, new_ids = c.text[start:], c.token_ids[tstart:]
+        if not delta and not c.finished and not (c.logprobs is not None and new_ids):
+            return None
+        self.sent_text[idx], self.sent_tokens[idx] = len(c.text), len(c.token_ids)
+        if c.finished:
+            self.done.add(idx)
+            self.completion_tokens += len(c.token_ids)
+        return delta, new_ids, start, tstart
+
+
 def _chunk_builder(request_id: str, obj: str, created: int, model: str, include_usage: bool):
     """One SSE event per call; with include_usage every chunk carries "usage": null, as OpenAI's do."""
     def chunk(choices: list[dict]) -> str:
@@ -467,11 +491,7 @@ class OpenAIServing:
     async def _completion_events(self, prep: _Prepared, request_id: str, created: int, model: str, echo: bool,
                                  include_usage: bool) -> AsyncIterator[str]:
         n = prep.params.n
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        completion_tokens = 0
-
+        track = _DeltaTracker()
         chunk = _chunk_builder(request_id, "text_completion", created, model, include_usage)
 
         merged = _merge(prep.streams)
@@ -483,27 +503,22 @@ class OpenAIServing:
             async for pi, out in merged:
                 for c in out.outputs:
                     idx = pi * n + c.index
-                    if idx in done:
+                    d = track.delta(idx, c)
+                    if d is None:
                         continue
-                    start, tstart = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                    delta, new_ids = c.text[start:], c.token_ids[tstart:]
-                    if not delta and not c.finished and not (c.logprobs is not None and new_ids):
-                        continue
-                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    delta, new_ids, start, tstart = d
                     lp = None
                     if c.logprobs is not None:
                         lp = self._completion_logprobs(new_ids, c.logprobs[tstart:], start)
                     choice = {"index": idx, "text": delta, "logprobs": lp, "finish_reason": None}
                     if c.finished:
-                        done.add(idx)
-                        completion_tokens += len(c.token_ids)
                         choice["finish_reason"] = c.finish_reason
                         choice["stop_reason"] = c.stop_reason
                     yield chunk([choice])
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids in prep.prompt_ids)
                 yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                            "choices": [], "usage": _usage(prompt_tokens, track.completion_tokens)})
         except EngineDeadError as e:
             yield _sse(OpenAIError(500, str(e), None, "engine_dead").body())
         except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
@@ -603,11 +618,7 @@ class OpenAIServing:
     async def _chat_events(self, prep: _Prepared, request_id: str, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
         params = prep.params
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        completion_tokens = 0
-
+        track = _DeltaTracker()
         chunk = _chunk_builder(request_id, "chat.completion.chunk", created, model, include_usage)
 
         merged = _merge(prep.streams)
@@ -616,27 +627,22 @@ class OpenAIServing:
                           "finish_reason": None} for i in range(params.n)])
             async for _, out in merged:
                 for c in out.outputs:
-                    if c.index in done:
+                    d = track.delta(c.index, c)
+                    if d is None:
                         continue
-                    start, tstart = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    delta, new_ids = c.text[start:], c.token_ids[tstart:]
-                    if not delta and not c.finished and not (c.logprobs is not None and new_ids):
-                        continue
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    delta, new_ids, start, tstart = d
                     lp = None
                     if c.logprobs is not None:
                         lp = {"content": self._chat_logprobs(new_ids, c.logprobs[tstart:], params.logprobs)}
                     choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                               "finish_reason": None}
                     if c.finished:
-                        done.add(c.index)
-                        completion_tokens += len(c.token_ids)
                         choice["finish_reason"] = c.finish_reason
                         choice["stop_reason"] = c.stop_reason
                     yield chunk([choice])
             if include_usage:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(len(prep.prompt_ids[0]), completion_tokens)})
+                            "choices": [], "usage": _usage(len(prep.prompt_ids[0]), track.completion_tokens)})
         except EngineDeadError as e:
             yield _sse(OpenAIError(500, str(e), None, "engine_dead").body())
         except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
