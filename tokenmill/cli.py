@@ -26,6 +26,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step, prefill and decode together (default 8192)")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="split long prompts across steps under the token budget")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV blocks of a prompt prefix already computed (shared system prompts)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: arrival order (default); priority: lower request priority runs first, "
+                        "ties by arrival, and the lowest-priority running request is preempted first")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request loses: recompute drops its KV (default); swap copies it to "
+                        "host memory, which only pays on a GPU")
+    g.add_argument("--starvation-timeout", type=float, default=30.0,
+                   help="priority policy: seconds a request may wait before it is promoted ahead of all "
+                        "others (default 30)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
 
 
@@ -51,7 +62,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
-                seed=a.seed)
+                enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
+                preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed)
 
 
 def sampling_params(a: argparse.Namespace):

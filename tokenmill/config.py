@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class CacheConfig:
     block_size: int = 16
     # bytes ("2GiB", "512MB", 1e9) or a fraction of free memory (0 < x <= 1)
     kv_cache_memory: str | float = "0.1"
+    enable_prefix_caching: bool = False  # share full KV blocks between requests with a common prefix
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,12 +59,24 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = False
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first; ties by arrival)
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (GPU only)
+    # priority policy: a request waiting longer than this (seconds) is promoted ahead of all others
+    starvation_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
+            )
+        if self.starvation_timeout is not None and not self.starvation_timeout > 0:
+            raise ValueError(f"starvation_timeout must be positive seconds or None, got {self.starvation_timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,22 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (the LLM and CLI spelling): each goes to the config that has it."""
+        kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
+        parts = {}
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            own = {f.name for f in fields(sub)}
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
+        unknown = set(kwargs) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs, **parts)
+
+
+_ALIASES = {"scheduling_policy": "policy"}
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -18,21 +18,15 @@ Message = dict[str, str]
 class LLM:
     """Offline batched generation, e.g. ``LLM().generate(["Hello"], SamplingParams(max_tokens=32))``.
 
-    Engine options: dtype ("auto", "float32", "bfloat16", "float16"), device, max_model_len,
-    kv_cache_memory (bytes like "2GiB" or a fraction of free memory), block_size,
-    max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, seed.
+    Engine options (keywords, the CLI flags' names with underscores): dtype ("auto", "float32",
+    "bfloat16", "float16"), device, max_model_len, kv_cache_memory (bytes like "2GiB" or a fraction
+    of free memory), block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+    enable_prefix_caching, scheduling_policy ("fcfs" | "priority"), preemption_mode, starvation_timeout,
+    seed. See ``tokenmill generate --help``.
     """
 
-    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "auto", device: str = "cpu",
-                 max_model_len: int | None = None, kv_cache_memory: str | float = "0.1", block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = False,
-                 seed: int = 0) -> None:
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-        )
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_options) -> None:
+        config = EngineConfig.from_kwargs(model=model, **engine_options)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
