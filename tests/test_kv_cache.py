@@ -148,11 +148,14 @@ def _corruptions():
     def ref_too_high(kv):
         kv.pool.ref_cnt[kv.block_tables["a"][0]] += 1
 
-    def free_listed_twice(kv):
-        kv.pool.free_blocks.append(kv.pool.free_blocks[0])
+    def wrong_hash_in_map(kv):  # the map sends a hash to a block that carries another
+        kv.pool.cached[b"x" * 32] = kv.block_tables["a"][0]
+
+    def hash_not_in_map(kv):
+        kv.pool.block_hash[kv.block_tables["a"][1]] = b"y" * 32
 
     def held_and_free(kv):
-        kv.pool.free_blocks.append(kv.block_tables["a"][0])
+        kv.pool.free_blocks[kv.block_tables["a"][0]] = None
 
     def in_two_tables(kv):
         kv.block_tables["b"].append(kv.block_tables["a"][0])
@@ -165,20 +168,21 @@ def _corruptions():
         kv.pool.ref_cnt[b] = 0
 
     def foreign_free_id(kv):
-        kv.pool.free_blocks.append(kv.num_blocks + 3)
+        kv.pool.free_blocks[kv.num_blocks + 3] = None
 
     def foreign_table_id(kv):
         kv.block_tables["a"].append(-1)
 
-    return [ref_too_high, free_listed_twice, held_and_free, in_two_tables, leaked, lost, foreign_free_id,
+    return [ref_too_high, wrong_hash_in_map, hash_not_in_map, held_and_free, in_two_tables, leaked, lost, foreign_free_id,
             foreign_table_id]
 
 
 @pytest.mark.parametrize("corrupt", _corruptions(), ids=lambda f: f.__name__)
 def test_check_invariants_catches_corruption(corrupt):
-    kv = KVCacheManager(8, 4)
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     kv.allocate_slots("a", 9)
     kv.allocate_slots("b", 5)
+    kv.cache_full_blocks("a", list(range(9)), 4)  # a's first block is cached
     kv.check_invariants()
     corrupt(kv)
     with pytest.raises(AssertionError):
@@ -243,12 +247,14 @@ class CheckingRunner:
         self.slots: list[tuple | None] = [None] * (sched.kv_cache.num_blocks * self.bs)
         self.states: dict[str, dict] = {}
         self.ever_new: set[str] = set()
+        self.hits = 0  # steps that started a request past a cached prefix
 
     def _slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         cfg = self.sched.config
+        pool = self.sched.kv_cache.pool
         for rid in out.finished_request_ids:
             assert rid in self.states, f"finished {rid!r} was never sent to the runner"
             del self.states[rid]
@@ -266,20 +272,28 @@ class CheckingRunner:
         for s in out.scheduled:
             st_ = self.states[s.request_id]
             end = s.start_pos + len(s.token_ids)
-            assert len(s.token_ids) >= 1 and s.start_pos == st_["computed"]
+            assert len(s.token_ids) >= 1
+            if st_["computed"] == 0 and s.start_pos > 0:  # (re)admitted on a prefix-cache hit: whole blocks
+                assert self.sched.kv_cache.enable_prefix_caching and s.start_pos % self.bs == 0
+                self.hits += 1
+            else:
+                assert s.start_pos == st_["computed"]
             assert s.token_ids == st_["tokens"][s.start_pos:end]
             assert s.needs_logits == (end == len(st_["tokens"]))
             assert len(s.block_table) * self.bs >= end
             for p in range(s.start_pos, end):
-                self.slots[self._slot(s.block_table, p)] = (s.request_id, p, st_["tokens"][p])
+                block = s.block_table[p // self.bs]
+                assert pool.ref_cnt[block] == 1, f"{s.request_id} writes into block {block}, which others hold"
+                # A slot's KV is a function of every token up to and including its position.
+                self.slots[self._slot(s.block_table, p)] = tuple(st_["tokens"][: p + 1])
             st_["computed"] = end
         for s in out.scheduled:
             if s.needs_logits:
                 st_ = self.states[s.request_id]
                 end = s.start_pos + len(s.token_ids)
                 for p in range(end):
-                    assert self.slots[self._slot(s.block_table, p)] == (s.request_id, p, st_["tokens"][p]), \
-                        f"{s.request_id}: KV at position {p} was overwritten"
+                    assert self.slots[self._slot(s.block_table, p)] == tuple(st_["tokens"][: p + 1]), \
+                        f"{s.request_id}: KV at position {p} is not this request's"
                 t = model_token(s.request_id, end - st_["num_prompt"])
                 st_["tokens"].append(t)
                 sampled[s.request_id] = [t]
@@ -298,23 +312,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         budget=st.integers(4, 32),
         chunked=st.booleans(),
+        prefix_caching=st.booleans(),
+        policy=st.sampled_from(["fcfs", "priority"]),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked):
-        self.kv = KVCacheManager(num_blocks, block_size)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunked), self.kv, MAX_MODEL_LEN)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, prefix_caching, policy):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunked, policy=policy), self.kv,
+                               MAX_MODEL_LEN)
         self.runner = CheckingRunner(self.sched)
         self.next_id = 0
         self.all: dict[str, Request] = {}
         self.preempted = False
 
     @rule(prompt_len=st.integers(1, 12), max_tokens=st.integers(1, 12), ignore_eos=st.booleans(),
-          min_tokens=st.integers(0, 3))
-    def add(self, prompt_len, max_tokens, ignore_eos, min_tokens):
+          min_tokens=st.integers(0, 3), family=st.integers(0, 2), unique=st.integers(0, 3),
+          priority=st.integers(-1, 1))
+    def add(self, prompt_len, max_tokens, ignore_eos, min_tokens, family, unique, priority):
         rid = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos)
-        prompt = [10 + _h(f"{rid}p{i}") % 900 for i in range(prompt_len)]
-        req = Request(rid, prompt, params, frozenset({EOS}), max_tokens)
+        # Prompts of one family share a prefix (what prefix caching finds), then a unique tail.
+        shared = max(prompt_len - unique, 0)
+        # Family 2 uses a 2-token alphabet: equal blocks behind different prefixes, which only a chained hash tells apart.
+        prompt = [10 + _h(f"f{family}p{i}") % (2 if family == 2 else 900) for i in range(shared)]
+        prompt += [10 + _h(f"{rid}p{i}") % 900 for i in range(shared, prompt_len)]
+        req = Request(rid, prompt, params, frozenset({EOS}), max_tokens, priority)
         total = prompt_len + max_tokens
         cfg = self.sched.config
         fits = (total <= MAX_MODEL_LEN and self.kv.blocks_needed(total) <= self.kv.num_blocks
@@ -373,8 +395,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(running) <= sched.config.max_num_seqs
         assert set(kv.block_tables) <= set(running)
         blocks = [b for t in kv.block_tables.values() for b in t]
-        assert len(blocks) == len(set(blocks)), "a block is in two block tables"
-        assert len(blocks) + kv.num_free_blocks == kv.num_blocks
+        if not kv.enable_prefix_caching:
+            assert len(blocks) == len(set(blocks)), "a block is in two block tables"
+        assert len(set(blocks)) + kv.num_free_blocks == kv.num_blocks
+        for t in kv.block_tables.values():  # a table never holds one block twice
+            assert len(t) == len(set(t))
         for r in sched.running:
             assert len(kv.block_tables.get(r.request_id, ())) * kv.block_size >= r.num_computed_tokens
             assert r.num_computed_tokens < r.num_tokens
@@ -418,6 +443,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.runner.states == {}, "the runner was never told some requests finished"
         self.stats["examples"] += 1
         self.stats["with_preemption"] += self.preempted
+        self.stats["with_prefix_hits"] += self.runner.hits > 0
 
 
 def test_random_operations_keep_the_cache_consistent():
@@ -426,6 +452,7 @@ def test_random_operations_keep_the_cache_consistent():
     run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=30, deadline=None))
     assert stats["examples"] > 0
     assert stats["with_preemption"] > 0, "no example preempted anything: the pool is too big to test it"
+    assert stats["with_prefix_hits"] > 0, "no example hit the prefix cache: the prompts share too little"
 
 
 def test_preemption_happens_and_everything_is_freed():
@@ -450,3 +477,101 @@ def test_preemption_happens_and_everything_is_freed():
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     assert all(r.output_token_ids == [model_token(r.request_id, i) for i in range(6)] for r in reqs)
     assert kv.num_free_blocks == kv.num_blocks and not sched.requests
+
+
+# ---- prefix caching: deterministic cases -----------------------------------------------
+
+
+def _cached_request(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
+    """Allocate and fully 'compute' a request, so its full blocks are registered."""
+    table = kv.allocate_slots(rid, len(tokens))
+    kv.cache_full_blocks(rid, tokens, len(tokens))
+    return table
+
+
+def test_prefix_hit_shares_blocks_and_leaves_one_token():
+    kv = KVCacheManager(10, 4, enable_prefix_caching=True)
+    a = _cached_request(kv, "a", list(range(12)))  # 3 full blocks
+    assert kv.get_computed_blocks("b", list(range(12))) == a[:2]  # never the whole prompt: 1 token left
+    assert kv.get_computed_blocks("c", list(range(13))) == a  # 13th token is computed
+    assert kv.get_computed_blocks("d", [0, 1, 2, 3, 9, 9, 9, 9, 9]) == a[:1]  # diverges in block 2
+    assert kv.get_computed_blocks("e", [5, 1, 2, 3, 4]) == []
+    hits = kv.get_computed_blocks("c", list(range(13)))
+    t = kv.allocate_slots("c", 13, hits)
+    assert t[:3] == a and len(t) == 4 and all(kv.pool.ref_cnt[b] == 2 for b in a)
+    kv.check_invariants()
+    kv.free("a")
+    assert all(kv.pool.ref_cnt[b] == 1 for b in a)  # still held by c: not freed
+    kv.free("c")
+    kv.check_invariants()
+    assert kv.num_free_blocks == 10 and kv.pool.num_cached_blocks == 3  # free, but still cached
+    assert kv.get_computed_blocks("f", list(range(13))) == a
+
+
+def test_hits_off_when_prefix_caching_is_off():
+    kv = KVCacheManager(10, 4)
+    _cached_request(kv, "a", list(range(12)))
+    assert kv.get_computed_blocks("b", list(range(13))) == [] and kv.pool.num_cached_blocks == 0
+
+
+def test_idle_hit_blocks_count_against_free_room():
+    kv = KVCacheManager(4, 4, enable_prefix_caching=True)
+    _cached_request(kv, "a", list(range(8)))  # blocks 2 cached
+    kv.free("a")  # both idle in the free queue now; 4 free in all
+    hits = kv.get_computed_blocks("b", list(range(9)))
+    assert len(hits) == 2
+    # b needs 2 hit blocks + 2 new ones = all 4 free blocks: fits exactly
+    assert kv.allocate_slots("b", 16, hits) is not None
+    kv.free("b")
+    hits = kv.get_computed_blocks("c", list(range(9)))
+    free_before = list(kv.pool.free_blocks)
+    assert kv.allocate_slots("c", 20, hits) is None  # 2 hits + 3 new > 4: nothing changes
+    assert list(kv.pool.free_blocks) == free_before and "c" not in kv.block_tables
+    kv.check_invariants()
+
+
+def test_eviction_is_lru_and_tail_blocks_go_first():
+    kv = KVCacheManager(6, 2, enable_prefix_caching=True)
+    old = _cached_request(kv, "old", [1, 2, 3, 4, 5, 6])  # 3 blocks
+    new = _cached_request(kv, "new", [7, 8, 9, 10])  # 2 blocks
+    kv.free("old")
+    kv.free("new")
+    # 1 block never used sits at the head; then old's blocks tail first, then new's.
+    grabbed = kv.allocate_slots("x", 4)  # 2 blocks: the unused one, then old's last block
+    assert grabbed[1] == old[2]
+    assert kv.pool.num_evictions == 1
+    assert kv.get_computed_blocks("y", [1, 2, 3, 4, 5, 6, 0]) == old[:2]  # its head survived
+    assert kv.get_computed_blocks("z", [7, 8, 9, 10, 0]) == new
+    kv.check_invariants()
+
+
+def test_a_hit_refreshes_recency():
+    kv = KVCacheManager(4, 2, enable_prefix_caching=True)
+    a = _cached_request(kv, "a", [1, 2])
+    b = _cached_request(kv, "b", [3, 4])
+    kv.free("a")
+    kv.free("b")
+    kv.allocate_slots("a2", 3, kv.get_computed_blocks("a2", [1, 2, 0]))  # touches a's block
+    kv.free("a2")
+    kv.allocate_slots("x", 6)  # 3 blocks: the two never cached ones, then the least recent (b's)
+    assert b[0] in kv.block_tables["x"] and a[0] not in kv.block_tables["x"]
+    kv.check_invariants()
+
+
+def test_duplicate_blocks_keep_the_first_registration():
+    kv = KVCacheManager(8, 2, enable_prefix_caching=True)
+    a = kv.allocate_slots("a", 4)
+    b = kv.allocate_slots("b", 4)  # same tokens computed side by side (admitted in one step)
+    kv.cache_full_blocks("a", [1, 2, 3, 4], 4)
+    kv.cache_full_blocks("b", [1, 2, 3, 4], 4)
+    assert kv.get_computed_blocks("c", [1, 2, 3, 4, 5]) == a
+    assert all(kv.pool.block_hash[x] is None for x in b)
+    kv.check_invariants()
+
+
+def test_salt_separates_caches():
+    one = KVCacheManager(4, 2, enable_prefix_caching=True, cache_salt=b"model-a")
+    two = KVCacheManager(4, 2, enable_prefix_caching=True, cache_salt=b"model-b")
+    _cached_request(one, "a", [1, 2])
+    _cached_request(two, "a", [1, 2])
+    assert set(one.pool.cached).isdisjoint(two.pool.cached)

@@ -4,9 +4,14 @@ Prefill and decode are one thing here: a request has ``num_tokens`` ids of which
 ``num_computed_tokens`` have KV; each step hands out the difference under one token
 budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
 requests go first, so decodes are never starved by arriving prompts; what budget is
-left admits waiting requests in order. When the KV pool is full, the most recently
-admitted running request is preempted by recompute: its blocks are freed, its tokens
-kept, and it goes back to the front of the queue with ``num_computed_tokens = 0``.
+left admits waiting requests in the policy's order (``core/request_queue.py``: fcfs or
+priority). With chunked prefill a prompt larger than the budget left is split across
+steps; its first token is sampled only once the whole prompt is computed. With prefix
+caching an admitted request starts at the end of its longest cached prefix.
+
+When the KV pool is full, the running request the policy ranks last (fcfs: the most
+recently admitted) is preempted by recompute: its blocks are freed, its tokens kept, and
+it goes back to the waiting queue with ``num_computed_tokens = 0``.
 
 No tensors here: the simulator and the CPU tests drive this exact code.
 """
@@ -14,11 +19,11 @@ No tensors here: the simulator and the CPU tests drive this exact code.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.request_queue import make_queue
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -75,12 +80,13 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = make_queue(config.policy, config.starvation_timeout)
+        self.running: list[Request] = []  # in preemption order: the last one is the first victim
         self.requests: dict[str, Request] = {}
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.clock = time.perf_counter  # tests substitute a fake clock
 
     # ---- admission -------------------------------------------------------------------
 
@@ -110,7 +116,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request from outside the step (abort, stop string); frees its blocks now."""
@@ -125,7 +131,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        req.timings.finished = time.perf_counter()
+        req.timings.finished = self.clock()
         self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
@@ -141,7 +147,9 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
-        now = time.perf_counter()
+        now = self.clock()
+        self.waiting.promote_starved(now)
+        self.waiting.order_running(self.running)
 
         # 1. Running requests: decodes (one token) and unfinished chunked prefills.
         i = 0
@@ -149,7 +157,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
-                victim = self.running.pop()  # most recently admitted
+                victim = self.running.pop()  # the policy's last: fcfs most recent, priority least urgent
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -160,19 +168,28 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing after it is left to schedule
 
-        # 2. Waiting requests, in order, while there is room. None if we just had to preempt.
+        # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
+        kv = self.kv_cache
         while self.waiting and not out.preempted_request_ids and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            num_new = req.num_tokens - req.num_computed_tokens
+            # A waiting request has no KV (new or preempted); its cached prefix needs no compute.
+            hits = kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            num_cached = len(hits) * kv.block_size
+            num_new = req.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
+            if kv.allocate_slots(req.request_id, num_cached + num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
+            req.num_computed_tokens = num_cached
+            if kv.enable_prefix_caching:
+                kv.stats.requests += 1
+                kv.stats.queries += req.num_tokens
+                kv.stats.hits += num_cached
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
@@ -216,18 +233,22 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
         out.preempted_request_ids.append(req.request_id)
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that finished in it."""
-        now = time.perf_counter()
+        now = self.clock()
         finished: list[Request] = []
+        bs = self.kv_cache.block_size
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            before = req.num_computed_tokens
             req.num_computed_tokens += len(s.token_ids)
+            if self.kv_cache.enable_prefix_caching and req.num_computed_tokens // bs > before // bs:
+                self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
             if not s.needs_logits:
                 continue
             for token in result.sampled_token_ids[s.request_id]:

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenmill.engine.llm_engine import StepStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -67,7 +68,7 @@ class EngineObserver(Protocol):
 
     def on_request_finished(self, output: RequestOutput, now: float) -> None: ...
 
-    def on_step(self, num_tokens: int, num_new_preemptions: int) -> None: ...
+    def on_step(self, stats: StepStats) -> None: ...
 
 
 class RequestStream:
@@ -201,19 +202,19 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._last_preemptions = 0
         self._num_steps = 0
         # periodic stats
         self._interval_start = time.perf_counter()
         self._interval_prompt = 0
         self._interval_gen = 0
         self._interval_finished = 0
+        self._interval_queries = 0  # prefix-cache lookups, in tokens
+        self._interval_hits = 0
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> AsyncEngine:
         if self._thread is None:
-            self._last_preemptions = self.engine.num_preemptions
             self._update_snapshot()
             self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
             self._thread.start()
@@ -456,22 +457,29 @@ class AsyncEngine:
 
     def _after_step(self, now: float) -> None:
         engine = self.engine
-        pre = engine.num_preemptions
-        new_pre, self._last_preemptions = pre - self._last_preemptions, pre
         stats = engine.step_stats[-1] if engine.step_stats else None
-        num_tokens = (stats.num_prefill_tokens + stats.num_decode_tokens) if stats is not None else 0
-        for obs in self.observers:
-            self._notify(obs.on_step, num_tokens, new_pre)
+        if stats is not None:
+            self._interval_queries += stats.prefix_cache_queries
+            self._interval_hits += stats.prefix_cache_hits
+            for obs in self.observers:
+                self._notify(obs.on_step, stats)
         if self.log_interval and now - self._interval_start >= self.log_interval:
             dt = now - self._interval_start
             s = self.snapshot
             stats_logger.info(
                 "engine: %.1f prompt tokens/s, %.1f generation tokens/s, %d requests finished; "
-                "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total",
+                "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
                 self._interval_prompt / dt, self._interval_gen / dt, self._interval_finished, s.num_running,
                 s.num_waiting, 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks,
-                s.num_preemptions)
+                s.num_preemptions, self._prefix_hit_rate_text())
             self._interval_start, self._interval_prompt, self._interval_gen, self._interval_finished = now, 0, 0, 0
+            self._interval_queries = self._interval_hits = 0
+
+    def _prefix_hit_rate_text(self) -> str:
+        if not getattr(self.engine.kv_cache, "enable_prefix_caching", False):
+            return ""
+        rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
+        return f"; prefix cache hit rate {100 * rate:.1f}%"
 
     def _update_snapshot(self) -> None:
         engine = self.engine

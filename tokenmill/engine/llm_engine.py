@@ -39,6 +39,8 @@ class StepStats:
     num_waiting: int
     kv_blocks_used: int
     num_preemptions: int  # preemptions in this step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of which found cached
 
 
 class LLMEngine:
@@ -46,6 +48,12 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.scheduler.preemption_mode == "swap":
+            raise ValueError(
+                "preemption_mode 'swap' copies a preempted request's KV to host memory; on the CPU the KV cache "
+                "is already in host memory, so it would only copy it to itself: use 'recompute'"
+                if self.device.type == "cpu" else
+                "preemption_mode 'swap' is not implemented yet on GPUs: use 'recompute'")
         torch.manual_seed(config.seed)
         source = resolve_model(config.model)
         self.model_name = source.name
@@ -65,7 +73,9 @@ class LLMEngine:
                 f"kv_cache_memory {cache.kv_cache_memory!r} ({int(budget)} bytes) holds no KV block of "
                 f"{self.kv_bytes_per_token * cache.block_size} bytes; raise --kv-cache-memory"
             )
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size)
+        # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
+        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}".encode()
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
@@ -97,6 +107,8 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -137,6 +149,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        pc = self.kv_cache.stats
+        queries, hits = pc.queries, pc.hits
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
@@ -149,6 +163,7 @@ class LLMEngine:
             start, time.perf_counter() - start, sched.num_prefill_tokens, sched.num_decode_tokens,
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
             self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
+            pc.queries - queries, pc.hits - hits,
         ))
         return outputs
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineSnapshot
+from tokenmill.engine.llm_engine import StepStats
 from tokenmill.outputs import RequestOutput
 
 # vLLM's buckets
@@ -104,11 +105,15 @@ class ServerMetrics:
         if num_generation_tokens:
             self.generation_tokens.inc(num_generation_tokens)
 
-    def on_step(self, num_tokens: int, num_new_preemptions: int) -> None:
+    def on_step(self, stats: StepStats) -> None:
+        num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
-        if num_new_preemptions:
-            self.preemptions.inc(num_new_preemptions)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
 
     def on_request_finished(self, output: RequestOutput, now: float) -> None:
         """One observation per sequence (an n=3 request counts 3), as vLLM does with its n fan-out."""
