@@ -175,7 +175,7 @@ class Scheduler:
                 break
             req = self.waiting[0]
             # A waiting request has no KV (new or preempted); its cached prefix needs no compute.
-            hits = kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            hits = kv.get_computed_blocks(req.request_id, req.all_token_ids) if kv.enable_prefix_caching else []
             num_cached = len(hits) * kv.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
