@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve."""
+"""Command line: tokenmill generate | chat | serve | bench serve | bench offline."""
 
 from __future__ import annotations
 
@@ -180,7 +180,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench.offline import add_offline_args
+    from tokenmill.bench.serve import add_serve_args
+
+    bs = bsub.add_parser("serve", help="TTFT, TPOT, ITL, E2EL, throughput and goodput of a running server",
+                         description="Send a workload to an OpenAI-compatible server (tokenmill, vLLM, llama.cpp's "
+                                     "llama-server) on an arrival schedule, streaming, and report vLLM's serving "
+                                     "metrics; --sweep finds the highest load meeting --goodput SLOs, --compare runs "
+                                     "a second server alternately and prints both side by side.")
+    add_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
+    bo = bsub.add_parser("offline", help="engine-only throughput through LLM.generate (no HTTP)")
+    add_offline_args(bo)
+    add_engine_args(bo)
+    bo.set_defaults(func=_bench_offline)
     return p
+
+
+def _bench_serve(a: argparse.Namespace) -> int:
+    from tokenmill.bench.serve import cmd_bench_serve
+
+    return cmd_bench_serve(a)
+
+
+def _bench_offline(a: argparse.Namespace) -> int:
+    from tokenmill.bench.offline import cmd_bench_offline
+
+    return cmd_bench_offline(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,59 @@
+"""`tokenmill bench serve` against the real tokenmill server on the default model, and `bench offline`
+on a tiny random model folder."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import tiny_models as tm
+from tokenmill.cli import main
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+
+
+@pytest.mark.slow
+def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
+    engine = llm_fp32.engine
+    ae = AsyncEngine(engine, max_waiting_requests=64, log_interval=None)
+    srv = BackgroundServer(build_app(ae, ServerConfig())).start()
+    out = tmp_path / "result.json"
+    try:
+        rc = main(["bench", "serve", "--base-url", srv.url, "--model", "smollm2-135m-instruct", "--num-prompts", "6",
+                   "--input-len", "24", "--output-len", "8", "--max-concurrency", "3", "--goodput", "ttft:60000",
+                   "--save-result", str(out), "--no-progress"])
+        assert rc == 0
+        metrics = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop(60)
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text
+    run = json.loads(out.read_text())["runs"][0]
+    assert (run["completed"], run["failed"]) == (6, 0)
+    assert run["total_output_tokens"] == 6 * 8 and run["output_tokens_source"] == "usage"
+    for r in run["requests"]:
+        assert r["completion_tokens"] == 8 and r["finish_reason"] == "length"
+        assert r["prompt_tokens"] in (r["prompt_len"], r["prompt_len"] + 1)  # the server may add a BOS token
+        assert 0 < r["ttft_s"] < r["e2el_s"] and len(r["chunk_times_s"]) >= 2
+    assert run["request_goodput"] == pytest.approx(run["request_throughput"])
+    # The server saw the benchmark: 6 requests plus the readiness probe, 8 tokens each (probe: 8 too).
+    ok = [line for line in metrics.splitlines()
+          if line.startswith("vllm:request_success_total") and 'finished_reason="length"' in line]
+    assert ok and float(ok[0].split()[-1]) >= 7
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_bench_offline_on_a_tiny_model(tmp_path, capsys):
+    folder = tm.save_hf_folder(tm.random_hf_model("llama"), tmp_path / "tiny")
+    out = tmp_path / "offline.json"
+    rc = main(["bench", "offline", "--model", str(folder), "--dtype", "float32", "--kv-cache-memory", "64MiB",
+               "--workload", "dataset", "--num-prompts", "5", "--input-len", "20", "--output-len", "6",
+               "--range-ratio", "0.5", "--output-json", str(out), "--no-progress"])
+    assert rc == 0
+    row = json.loads(out.read_text())
+    assert row["requests"] == 5 and row["output_tokens"] >= 5 * 3
+    assert row["output_throughput"] == pytest.approx(row["output_tokens"] / row["elapsed_s"])
+    assert "output tok/s" in capsys.readouterr().out

@@ -1,0 +1,196 @@
+"""``tokenmill bench serve``: the workload, the runs (one, a sweep, or two servers alternately), the
+report, the JSON and the plots."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+from tokenmill.bench.client import ENDPOINTS, ApiConfig, wait_until_ready
+from tokenmill.bench.datasets import DATASETS, DatasetSpec, load_tokenizer, sample_requests
+from tokenmill.bench.metrics import parse_goodput, parse_percentiles
+from tokenmill.bench.report import compare_table, run_block, sustainable_point, sweep_table
+from tokenmill.bench.runner import LoadSpec, RunResult, run_async
+
+
+def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="random", choices=DATASETS,
+                   help="random: random tokens of --input-len/--output-len; shared-prefix: a --prefix-len common "
+                        "system prompt plus a --question-len question; text: windows of --dataset-path (plain text); "
+                        "trace: the lengths and arrival times of an Azure-format CSV; sharegpt: ShareGPT JSON")
+    g.add_argument("--dataset-path", default=None, help="the file for text, trace and sharegpt")
+    g.add_argument("--num-prompts", type=int, default=100, help="requests in the workload (default 100)")
+    g.add_argument("--input-len", type=int, default=None, help="prompt tokens (random, text; default 128)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens of each request (default 128; sharegpt: the recorded reply's length)")
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly from len*(1-r) .. len*(1+r) (default 0: fixed)")
+    g.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens of the common prefix")
+    g.add_argument("--question-len", type=int, default=32, help="shared-prefix: tokens of each question")
+    g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, round robin")
+    g.add_argument("--trace-start", type=int, default=0, help="trace: first row to replay")
+    g.add_argument("--trace-length-scale", type=float, default=1.0,
+                   help="trace: multiply every recorded length by this (a CPU cannot serve GPU-sized requests)")
+    g.add_argument("--trace-max-input-len", type=int, default=None, help="trace: cap on prompt tokens")
+    g.add_argument("--trace-max-output-len", type=int, default=None, help="trace: cap on output tokens")
+    if seed:  # the offline benchmark shares the engine's --seed
+        g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
+
+
+def dataset_spec(a: argparse.Namespace) -> DatasetSpec:
+    return DatasetSpec(a.dataset, a.dataset_path, a.num_prompts, a.input_len, a.output_len, a.range_ratio,
+                       a.prefix_len, a.question_len, a.num_prefixes, a.trace_start, a.trace_max_input_len,
+                       a.trace_max_output_len, a.trace_length_scale, a.seed)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    g.add_argument("--model", required=True, help="the model name to send (see the server's /v1/models)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer that builds the prompts: built-in alias, .gguf or HF folder (default: --model)")
+    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
+                   help="completions (/v1/completions, default) or chat (/v1/chat/completions)")
+    g.add_argument("--api-key", default=None, help="sent as a bearer token")
+    g.add_argument("--label", default=None, help="name of the server in reports (default: host:port)")
+    g.add_argument("--compare", default=None, metavar="URL2",
+                   help="a second server: the same workload runs against both, alternating, and the report "
+                        "puts them side by side with ratios")
+    g.add_argument("--compare-model", default=None, help="model name on the second server (default: --model)")
+    g.add_argument("--compare-label", default=None, help="name of the second server in reports")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at end-of-sequence (default: ignore_eos, so lengths are as asked)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent (default 0)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    g.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="seconds to wait for each server to answer a first request (default 120)")
+
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="mean requests per second (default inf: all at once); a trace keeps its own clock "
+                        "unless this is given")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the gaps: 1 = Poisson (default), <1 burstier, >1 more regular")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight from the client")
+    g.add_argument("--time-scale", type=float, default=1.0, help="trace: stretch the recorded clock (2 = half rate)")
+    g.add_argument("--sweep", default=None, metavar="V1,V2,...",
+                   help="run once per value (request rates, or concurrencies with --sweep-over concurrency), "
+                        "lowest first, and report the highest that meets the SLOs")
+    g.add_argument("--sweep-over", default="rate", choices=["rate", "concurrency"], help="what --sweep varies")
+    g.add_argument("--sweep-keep-going", action="store_true",
+                   help="run every sweep point (default: stop after the first point where every server misses)")
+
+    g = p.add_argument_group("metrics and output")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in milliseconds, e.g. ttft:1000 tpot:100 (names: ttft, tpot, e2el)")
+    g.add_argument("--slo-percentile", type=float, default=99.0,
+                   help="a sweep point meets the SLOs when this percentile of each is within bound (default 99)")
+    g.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report (default 50,90,99)")
+    g.add_argument("--save-result", default=None, metavar="FILE.json",
+                   help="write the metrics and every request's raw timings as JSON")
+    g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (latency CDFs, tokens in flight, sweep)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_dataset_args(p)
+
+
+def _points(a: argparse.Namespace) -> list[LoadSpec]:
+    base = dict(burstiness=a.burstiness, time_scale=a.time_scale, seed=a.seed)
+    if not a.sweep:
+        rate = None if a.dataset == "trace" and math.isinf(a.request_rate) else a.request_rate
+        return [LoadSpec(rate, max_concurrency=a.max_concurrency, **base)]
+    try:
+        values = [float(v) for v in a.sweep.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep takes comma-separated numbers, e.g. 0.5,1,2; got {a.sweep!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"--sweep values must be positive numbers; got {a.sweep!r}")
+    values.sort()
+    if a.sweep_over == "concurrency":
+        if any(v != int(v) for v in values):
+            raise ValueError("--sweep-over concurrency takes whole numbers")
+        return [LoadSpec(a.request_rate, max_concurrency=int(v), **base) for v in values]
+    return [LoadSpec(v, max_concurrency=a.max_concurrency, **base) for v in values]
+
+
+def _check(a: argparse.Namespace) -> None:
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {a.max_concurrency}")
+    if not 0 < a.slo_percentile <= 100:
+        raise ValueError(f"--slo-percentile must be in (0, 100], got {a.slo_percentile}")
+    if a.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {a.timeout}")
+
+
+async def _bench(a: argparse.Namespace, apis: list[ApiConfig], requests, points: list[LoadSpec],
+                 slos: dict, percentiles: list[float]) -> list[list[RunResult]]:
+    for api in apis:
+        await wait_until_ready(api, requests[0], a.ready_timeout)
+    per_point: list[list[RunResult]] = []
+    for k, load in enumerate(points):
+        order = apis if k % 2 == 0 else apis[::-1]  # ABBA: neither server always goes first
+        got = {}
+        for api in order:
+            got[api.label] = await run_async(api, requests, load, timeout=a.timeout, progress=not a.no_progress,
+                                             slos=slos, percentiles=percentiles)
+        runs = [got[api.label] for api in apis]
+        per_point.append(runs)
+        for r in runs:
+            print(run_block(r, percentiles, slos), flush=True)
+        if a.sweep and slos and not a.sweep_keep_going and k < len(points) - 1:
+            from tokenmill.bench.metrics import meets_slo_percentile
+
+            if not any(meets_slo_percentile(r.metrics, slos, a.slo_percentile) for r in runs):
+                print(f"every server misses the SLOs at {load.describe()}: the sweep stops here "
+                      "(--sweep-keep-going runs the rest)", file=sys.stderr)
+                break
+    return per_point
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    _check(a)
+    slos = parse_goodput(a.goodput)
+    percentiles = parse_percentiles(a.percentiles)
+    if a.slo_percentile not in percentiles:
+        percentiles = sorted({*percentiles, a.slo_percentile})
+    points = _points(a)
+    apis = [ApiConfig(a.base_url, a.model, a.endpoint, a.api_key, a.ignore_eos, a.temperature, label=a.label or "")]
+    if a.compare:
+        apis.append(ApiConfig(a.compare, a.compare_model or a.model, a.endpoint, a.api_key, a.ignore_eos,
+                              a.temperature, label=a.compare_label or ""))
+        if apis[0].label == apis[1].label:
+            raise ValueError("--base-url and --compare name the same server; give two servers, or "
+                             "--label/--compare-label to tell them apart")
+    spec = dataset_spec(a)
+    spec.check()
+    requests = sample_requests(spec, load_tokenizer(a.tokenizer or a.model))
+    per_point = asyncio.run(_bench(a, apis, requests, points, slos, percentiles))
+    runs = [r for point in per_point for r in point]
+    over = a.sweep_over if a.sweep else "rate"
+    if len(per_point) > 1 or len(apis) > 1:
+        print(sweep_table(runs, over, slos, a.slo_percentile))
+    if len(apis) > 1:
+        print(compare_table([(p[0], p[1]) for p in per_point], over))
+    if a.sweep and slos:
+        for i, api in enumerate(apis):
+            best = sustainable_point([p[i] for p in per_point], slos, a.slo_percentile)
+            what = "concurrency" if over == "concurrency" else "request rate"
+            print(f"{api.label}: highest {what} meeting the SLOs: "
+                  + (f"{(best.load.max_concurrency if over == 'concurrency' else best.load.request_rate):g}"
+                     f" ({best.metrics['request_throughput']:.2f} req/s, {best.metrics['output_throughput']:.1f}"
+                     " output tok/s)" if best else "none of those swept"))
+    if a.save_result:
+        doc = {"tool": "tokenmill bench serve", "argv": sys.argv[1:], "dataset": vars(spec), "slos_ms": slos,
+               "slo_percentile": a.slo_percentile, "runs": [r.to_json() for r in runs]}
+        Path(a.save_result).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"saved {a.save_result}", file=sys.stderr)
+    if a.plot:
+        from tokenmill.bench.plots import write_plots
+
+        for path in write_plots(runs, a.plot, over, slos, a.slo_percentile):
+            print(f"plot {path}", file=sys.stderr)
+    return 0
