@@ -281,3 +281,68 @@ def test_cli_bad_input_says_what_to_do(fake_server, tiny_tokenizer, capsys):
     assert "--dataset-path" in capsys.readouterr().err
     assert main(base + ["--base-url", "http://127.0.0.1:9", "--ready-timeout", "0"]) == 2
     assert "is the server running" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- datasets (the tiny tokenizer)
+
+@pytest.fixture(scope="module")
+def maker(tiny_tokenizer):
+    from tokenmill.bench.datasets import PromptMaker, load_tokenizer
+
+    return PromptMaker(load_tokenizer(tiny_tokenizer))
+
+
+def test_random_prompts_have_the_asked_token_lengths(maker):
+    from tokenmill.bench.datasets import DatasetSpec, sample_requests
+
+    reqs = sample_requests(DatasetSpec("random", num_prompts=12, input_len=40, output_len=10, range_ratio=0.5,
+                                       long_input_len=90, long_input_every=4, seed=1), maker)
+    for i, r in enumerate(reqs):
+        assert maker.encode(r.prompt) == r.prompt_ids and len(r.prompt_ids) == r.prompt_len
+        assert r.prompt_len == 90 if i % 4 == 3 else 20 <= r.prompt_len <= 60
+        assert 5 <= r.output_len <= 15
+    again = sample_requests(DatasetSpec("random", num_prompts=12, input_len=40, output_len=10, range_ratio=0.5,
+                                        long_input_len=90, long_input_every=4, seed=1), maker)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+
+
+def test_shared_prefix_prompts_share_their_leading_tokens(maker):
+    from tokenmill.bench.datasets import DatasetSpec, sample_requests
+
+    reqs = sample_requests(DatasetSpec("shared-prefix", num_prompts=6, prefix_len=50, question_len=8,
+                                       output_len=4, num_prefixes=2), maker)
+    heads = [maker.encode(r.system) for r in reqs]
+    for r, head in zip(reqs, heads):
+        assert r.prompt_ids[:len(head)] == head and len(r.prompt_ids) > len(head)
+        assert r.messages()[0] == {"role": "system", "content": r.system}
+    assert heads[0] == heads[2] == heads[4] != heads[1]
+    assert len({r.prompt for r in reqs}) == 6
+
+
+def test_text_trace_and_sharegpt_datasets(maker, tmp_path):
+    from tokenmill.bench.datasets import DatasetSpec, sample_requests
+
+    corpus = tmp_path / "t.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    for r in sample_requests(DatasetSpec("text", str(corpus), num_prompts=3, input_len=30, output_len=5), maker):
+        assert r.prompt_len == 30 and r.prompt.split()[0] in corpus.read_text()
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.5,40,9\n"
+                     "2023-11-16 18:15:46.0,20,5\n2023-11-16 18:15:47.25,1000,700\n")
+    reqs = sample_requests(DatasetSpec("trace", str(trace), num_prompts=3, trace_max_input_len=64,
+                                       trace_max_output_len=32), maker)
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0.0, 20, 5), (1.25, 64, 32), (4.5, 40, 9)]
+    convs = [{"conversations": [{"from": "human", "value": "tell me a story about a fox"},
+                                {"from": "gpt", "value": "once upon a time a fox lived in the woods"}]},
+             {"conversations": [{"from": "gpt", "value": "no user turn"}]}]
+    share = tmp_path / "sg.json"
+    share.write_text(json.dumps(convs))
+    reqs = sample_requests(DatasetSpec("sharegpt", str(share), num_prompts=5), maker)
+    assert len(reqs) == 1 and reqs[0].prompt == "tell me a story about a fox"
+    assert reqs[0].output_len == len(maker.encode("once upon a time a fox lived in the woods"))
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="lacks the column"):
+        sample_requests(DatasetSpec("trace", str(bad), num_prompts=1), maker)
+    with pytest.raises(ValueError, match="--dataset random only"):
+        sample_requests(DatasetSpec("text", str(corpus), long_input_every=2), maker)

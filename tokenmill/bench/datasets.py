@@ -2,7 +2,9 @@
 
 Datasets (``--dataset``):
 - ``random``: random vocabulary tokens turned into text; input/output lengths drawn uniformly from
-  ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` as vLLM's random dataset does.
+  ``[len * (1 - range_ratio), len * (1 + range_ratio)]`` as vLLM's random dataset does. With
+  ``long_input_every`` N, every N-th request's prompt is ``long_input_len`` tokens instead: long
+  prompts arriving among short ones, the case chunked prefill exists for.
 - ``shared-prefix``: one (or ``num_prefixes``) long common system prompt plus a short unique question,
   the case prefix caching exists for.
 - ``text``: windows cut at random line starts of a plain-text file (e.g. tinyshakespeare.txt).
@@ -67,6 +69,8 @@ class DatasetSpec:
     trace_max_output_len: int | None = None
     trace_length_scale: float = 1.0
     seed: int = 0
+    long_input_len: int = 2048
+    long_input_every: int = 0  # 0: no long prompts
 
     def check(self) -> None:
         if self.name not in DATASETS:
@@ -77,9 +81,13 @@ class DatasetSpec:
             raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         for flag, v in (("--input-len", self.input_len), ("--output-len", self.output_len),
                         ("--prefix-len", self.prefix_len), ("--question-len", self.question_len),
-                        ("--num-prefixes", self.num_prefixes)):
+                        ("--num-prefixes", self.num_prefixes), ("--long-input-len", self.long_input_len)):
             if v is not None and v < 1:
                 raise ValueError(f"{flag} must be at least 1, got {v}")
+        if self.long_input_every < 0:
+            raise ValueError(f"--long-input-every must be 0 (off) or a positive N, got {self.long_input_every}")
+        if self.long_input_every and self.name != "random":
+            raise ValueError("--long-input-every applies to --dataset random only")
         if self.name in ("text", "trace", "sharegpt"):
             if not self.path:
                 raise ValueError(f"--dataset {self.name} needs --dataset-path FILE ("
@@ -151,8 +159,10 @@ def _lengths(length: int, ratio: float, n: int, rng: np.random.Generator) -> np.
 
 
 def random_requests(maker: PromptMaker, n: int, input_len: int, output_len: int, range_ratio: float,
-                    rng: np.random.Generator) -> list[SampleRequest]:
+                    rng: np.random.Generator, long_len: int = 0, long_every: int = 0) -> list[SampleRequest]:
     ins, outs = _lengths(input_len, range_ratio, n, rng), _lengths(output_len, range_ratio, n, rng)
+    if long_every:
+        ins[long_every - 1::long_every] = long_len
     reqs = []
     for i_len, o_len in zip(ins, outs):
         text, ids = maker.random_text(int(i_len), rng)
@@ -271,7 +281,8 @@ def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer | PromptMaker) -> li
     in_len = spec.input_len or DEFAULT_INPUT_LEN
     out_len = spec.output_len or DEFAULT_OUTPUT_LEN
     if spec.name == "random":
-        return random_requests(maker, spec.num_prompts, in_len, out_len, spec.range_ratio, rng)
+        return random_requests(maker, spec.num_prompts, in_len, out_len, spec.range_ratio, rng,
+                               spec.long_input_len, spec.long_input_every)
     if spec.name == "shared-prefix":
         return shared_prefix_requests(maker, spec.num_prompts, spec.prefix_len, spec.question_len, out_len,
                                       spec.num_prefixes, spec.range_ratio, rng)

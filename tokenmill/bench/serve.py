@@ -30,6 +30,9 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
                    help="max_tokens of each request (default 128; sharegpt: the recorded reply's length)")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly from len*(1-r) .. len*(1+r) (default 0: fixed)")
+    g.add_argument("--long-input-every", type=int, default=0, metavar="N",
+                   help="random: every N-th prompt is --long-input-len tokens (long prompts among short ones)")
+    g.add_argument("--long-input-len", type=int, default=2048, help="random: tokens of the long prompts (default 2048)")
     g.add_argument("--prefix-len", type=int, default=1000, help="shared-prefix: tokens of the common prefix")
     g.add_argument("--question-len", type=int, default=32, help="shared-prefix: tokens of each question")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, round robin")
@@ -45,7 +48,7 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
 def dataset_spec(a: argparse.Namespace) -> DatasetSpec:
     return DatasetSpec(a.dataset, a.dataset_path, a.num_prompts, a.input_len, a.output_len, a.range_ratio,
                        a.prefix_len, a.question_len, a.num_prefixes, a.trace_start, a.trace_max_input_len,
-                       a.trace_max_output_len, a.trace_length_scale, a.seed)
+                       a.trace_max_output_len, a.trace_length_scale, a.seed, a.long_input_len, a.long_input_every)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
