@@ -17,6 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto picks bfloat16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
+                   help="weights: none (float, default); int8 (per output channel); int4 (groups of 32, scale and "
+                        "zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 blocks). Quantized layers run "
+                        "integer CPU kernels")
     g.add_argument("--max-model-len", type=int, default=None, help="context length to serve (default: the model's)")
     g.add_argument("--kv-cache-memory", default="0.1",
                    help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.1 = 10%%; default)")
@@ -59,7 +63,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+    return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,

@@ -57,7 +57,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         source = resolve_model(config.model)
         self.model_name = source.name
-        loaded = load_model(source, self.dtype, self.device, config.max_model_len)
+        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len

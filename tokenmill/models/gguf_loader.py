@@ -149,3 +149,27 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
                                 f"{heads * cfg.head_dim} rows ({heads} heads x {cfg.head_dim})")
             w = _undo_rope_permute(w, heads)
         yield name, w
+
+
+KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_0"}  # --quantization gguf keeps these as they are
+
+
+def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
+    """The 2-D tensors stored in Q8_0/Q4_1/Q4_0, as QuantizedTensors under their Hugging Face names
+    (Q4_0 converted to Q4_1 exactly; q/k rows un-permuted like the float path)."""
+    from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1
+
+    out = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        name = _hf_name(t.name)
+        if kind not in KEPT_TYPES or name is None or len(t.shape) != 2:
+            continue
+        k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(n, -1))
+        if kind == "Q4_0":
+            raw = q4_0_to_q4_1(raw, k)
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            raw = _undo_rope_permute(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        out[name] = QuantizedTensor(raw.contiguous(), "q8_0" if kind == "Q8_0" else "q4_1", (n, k))
+    return out

@@ -80,6 +80,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.requires_grad_(False)
 
     def forward(
@@ -96,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope_tables, kv, meta)
         # The output head is the largest GEMM: run it only where a token is sampled.
         x = self.norm(x[logits_indices])
+        if self.head is not None:
+            return self.head(x).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 

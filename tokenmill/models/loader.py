@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import get_backend
-from tokenmill.models.gguf_loader import gguf_model_config, gguf_weights, open_gguf
+from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+from tokenmill.models.gguf_loader import gguf_model_config, gguf_quantized_weights, gguf_weights, open_gguf
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.quantize import quantize_model
 from tokenmill.models.registry import ModelSource
 from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass
@@ -24,12 +29,15 @@ class LoadedModel:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               attention_backend: str = "torch") -> LoadedModel:
+               attention_backend: str = "torch", quantization: str = "none") -> LoadedModel:
+    raw = None
     if source.format == "gguf":
         reader = open_gguf(source.path)
         cfg = gguf_model_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)
         weights = gguf_weights(reader, cfg)
+        if quantization == "gguf":
+            raw = gguf_quantized_weights(reader, cfg)
     else:
         cfg = hf_model_config(source.path)
         tokenizer = Tokenizer.from_hf_folder(source.path)
@@ -40,6 +48,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     max_model_len = max_model_len or cfg.max_position_embeddings
     model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
     model.load_weights(weights)
+    quantize_model(model, quantization, raw)
+    if quantization != "none" and (device.type != "cpu" or cpu_kernels() is None):
+        why = f"the device is {device}" if device.type != "cpu" else unavailable_reason()
+        logger.warning("--quantization %s: no quantized kernels here (%s); weights are dequantized on first "
+                       "use, so they take float memory", quantization, why)
     # RoPE tables stay float32 for accuracy; everything else takes the compute dtype.
     model.to(device=device, dtype=dtype)
     model.rope.to(device=device, dtype=torch.float32)

@@ -1,0 +1,146 @@
+"""Quantized weights: formats, the AVX2 kernel against its torch reference, the GGUF blocks kept as
+they are, and the quantized model against the float one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models as tm
+from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+from tokenmill.layers.quant import (FORMAT_IDS, QuantizedLinear, QuantizedTensor, dequantize_rows,
+                                    q4_0_to_q4_1, quantize_int4, quantize_int8, quantize_q8_0,
+                                    ref_quantize_activations, ref_qlinear)
+
+QUANTIZERS = {"int8": quantize_int8, "q8_0": quantize_q8_0, "int4": quantize_int4}
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+
+def test_quantizers_round_trip_within_their_step():
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    for name, q in QUANTIZERS.items():
+        qw = q(w)
+        err = (qw.dequantize() - w).abs()
+        blocks = w.view(64, -1, 32)
+        if name == "int4":  # half a step of (max - min) / 15 per block, plus fp16 rounding of d and m
+            step = (blocks.amax(-1) - blocks.amin(-1)) / 15
+        elif name == "int8":  # one scale per row
+            step = (w.abs().amax(1) / 127)[:, None].expand(64, 8)
+        else:
+            step = blocks.abs().amax(-1) / 127
+        assert torch.all(err.view(64, -1, 32) <= (0.5 * step + 2e-3 * blocks.abs().amax(-1))[..., None])
+        assert qw.nbytes == 64 * 8 * (20 if name == "int4" else 34)
+    # int8 shares one scale per row across its blocks
+    d = quantize_int8(w).blocks()[..., 0:2]
+    assert torch.equal(d, d[:, :1].expand_as(d))
+
+
+def test_q4_0_converts_to_q4_1_without_loss():
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0)
+    got = dequantize_rows(q4_0_to_q4_1(torch.from_numpy(raw), 64), "q4_1", 64)
+    assert torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32)))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_our_blocks_are_ggufs_layout(kind):
+    import gguf
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 96)).astype(np.float32)
+    t = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(w, t)
+    ours = dequantize_rows(torch.from_numpy(raw), kind.lower(), 96)  # gguf's bytes, read our way
+    assert torch.equal(ours, torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t), np.float32)))
+    # and our quantizer lands within one step of gguf's (it rounds with the stored fp16 scale)
+    mine = quantize_q8_0(torch.from_numpy(w)) if kind == "Q8_0" else quantize_int4(torch.from_numpy(w))
+    step = np.abs(w).max() / (127 if kind == "Q8_0" else 7)
+    assert (mine.dequantize() - ours).abs().max() <= step
+
+
+def test_bad_quantized_data_is_refused():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantizedTensor(torch.zeros(2, 34, dtype=torch.uint8), "q8_0", (2, 33))
+    with pytest.raises(ValueError, match="must be uint8"):
+        QuantizedTensor(torch.zeros(2, 30, dtype=torch.uint8), "q8_0", (2, 32))
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        QuantizedTensor(torch.zeros(2, 34, dtype=torch.uint8), "q5_k", (2, 32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "int4"])
+@pytest.mark.parametrize("m", [1, 2, 5, 17, 70])
+def test_kernel_matches_its_reference(fmt, m):
+    torch.manual_seed(m)
+    n, k = 37, 192  # N not a multiple of the tile, to hit the edges
+    qw = QUANTIZERS[fmt](torch.randn(n, k))
+    x = torch.randn(m, k) * 3
+    y = cpu_kernels().qlinear(x, qw.data, n, FORMAT_IDS[qw.fmt])
+    ref = ref_qlinear(x, qw)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    # and the int8 activations cost little against the float product with the same weights
+    dense = x @ qw.dequantize().t()
+    assert (y - dense).norm() / dense.norm() < 0.02
+
+
+@needs_kernels
+def test_kernel_activation_rounding_is_the_reference():
+    x = torch.randn(9, 128) * 5
+    x[0] = 0  # an all-zero block gets scale 0
+    q, d, s = cpu_kernels().quantize_activations(x)
+    rq, rd, rs = ref_quantize_activations(x)
+    assert torch.equal(q, rq) and torch.allclose(d, rd) and torch.allclose(s, rs, atol=1e-5)
+
+
+def test_layer_falls_back_to_dequantized_weights(monkeypatch):
+    import tokenmill.layers.quant as quant
+
+    torch.manual_seed(0)
+    w, b, x = torch.randn(40, 64), torch.randn(40), torch.randn(3, 64)
+    layer = QuantizedLinear(quantize_int4(w), b)
+    monkeypatch.setattr(quant, "_ops", lambda: None)
+    y = layer(x)
+    assert torch.allclose(y, x @ layer.weight.dequantize().t() + b, atol=1e-5)
+
+
+def test_tiny_model_quantized_stays_close(tmp_path):
+    """int8 and int4 on a tiny random Llama: logits at every position stay close to the float model's."""
+    from helpers import prefill_logits
+    from tokenmill import LLM
+
+    folder = tm.save_hf_folder(tm.random_hf_model("llama"), tmp_path / "m")
+    prompt = list(range(3, 40))
+    ref = prefill_logits(LLM(str(folder), dtype="float32", kv_cache_memory="16MiB").engine, prompt)
+    for mode, tol in (("int8", 0.04), ("int4", 0.3)):
+        engine = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization=mode).engine
+        assert isinstance(engine.runner.model.layers[0].mlp.down_proj, QuantizedLinear)
+        got = prefill_logits(engine, prompt)
+        rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        assert rel < tol, (mode, rel)
+    with pytest.raises(ValueError, match="must be a .gguf file"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(str(folder), quantization="int3")
+
+
+@pytest.mark.slow
+def test_gguf_mode_keeps_the_files_blocks(gguf_path):
+    """--quantization gguf on the default model: each kept weight dequantizes to exactly what the float
+    loader produced from the same file."""
+    from tokenmill.config import ModelConfig  # noqa: F401 -- the loader's types
+    from tokenmill.models.gguf_loader import gguf_model_config, gguf_quantized_weights, gguf_weights, open_gguf
+
+    reader = open_gguf(gguf_path)
+    cfg = gguf_model_config(reader)
+    raw = gguf_quantized_weights(reader, cfg)
+    assert {q.fmt for q in raw.values()} >= {"q4_1"}
+    floats = dict(gguf_weights(reader, cfg))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):
+        assert torch.equal(raw[name].dequantize(), floats[name]), name

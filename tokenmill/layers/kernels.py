@@ -1,0 +1,104 @@
+"""Build and load tokenmill's CPU kernels (``csrc/cpu_kernels.cpp``) as ``torch.ops.tokenmill.*``.
+
+The source is compiled once per (source, torch version, compiler flags) with the system C++
+compiler against torch's own headers and libraries (no ninja needed), and cached under
+``$TOKENMILL_CACHE_DIR`` (default ``~/.cache/tokenmill``). ``cpu_kernels()`` returns the op
+namespace, or None where they cannot run: not x86-64 with AVX2/FMA/F16C, no compiler, or a
+failed build (the reason is logged once and kept in ``unavailable_reason()``). Callers then
+use the pure-torch paths in ``tokenmill/layers/quant.py``.
+
+Set ``TOKENMILL_DISABLE_CPU_KERNELS=1`` to force the torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG",
+         "-Wno-unused-function"]
+_reason: str | None = None
+
+
+def unavailable_reason() -> str | None:
+    """Why the CPU kernels are not in use (None when they are, or have not been asked for yet)."""
+    return _reason
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill")
+    return Path(base) / "kernels"
+
+
+def _build(cxx: str) -> Path:
+    src = SOURCE.read_text()
+    tdir = Path(torch.__file__).parent
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    cmd_flags = FLAGS + [abi]
+    key = hashlib.sha256("\0".join([src, torch.__version__, str(tdir), cxx, *cmd_flags]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"tokenmill_cpu_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    inc = [f"-I{tdir / 'include'}", f"-I{tdir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+           f"-I{sysconfig.get_paths()['include']}"]
+    libs = [f"-L{tdir / 'lib'}", f"-Wl,-rpath,{tdir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        cmd = [cxx, *cmd_flags, *inc, str(SOURCE), "-o", str(tmp_out), *libs]
+        logger.info("building tokenmill CPU kernels (once per torch version): %s", " ".join(cmd))
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed:\n{r.stderr[-2000:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent build of the same key writes the same file
+    return out
+
+
+@functools.cache
+def cpu_kernels():
+    """torch.ops.tokenmill with the CPU kernels loaded, or None (see unavailable_reason())."""
+    global _reason
+    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+        _reason = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
+    elif platform.machine().lower() not in ("x86_64", "amd64"):
+        _reason = f"the kernels are x86-64 AVX2 code and this machine is {platform.machine()}"
+    elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        _reason = "this CPU lacks AVX2, FMA or F16C"
+    elif not SOURCE.exists():
+        _reason = f"the kernel source {SOURCE} is not installed"
+    else:
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        if cxx is None:
+            _reason = "no C++ compiler (g++, c++ or clang++) on PATH; install one to build the kernels"
+        else:
+            try:
+                torch.ops.load_library(str(_build(cxx)))
+                _reason = None
+                return torch.ops.tokenmill
+            except Exception as e:  # noqa: BLE001 -- any failure means: use the torch paths, and say why
+                _reason = f"{type(e).__name__}: {e}"
+    logger.warning("tokenmill CPU kernels unavailable (%s); quantized layers use the slower torch paths", _reason)
+    return None

@@ -1,0 +1,233 @@
+"""Quantized weights in GGUF's block formats, their quantizers, and pure-torch reference ops.
+
+A ``QuantizedTensor`` is a weight matrix [N, K] stored as N rows of K/32 blocks, byte for byte
+in one of two GGUF block layouts (32 weights along K per block):
+
+- ``q8_0``: fp16 scale d, 32 int8 q; w = d * q (34 bytes: 8.5 bits per weight)
+- ``q4_1``: fp16 scale d, fp16 min m, 16 bytes of nibbles; w = d * q + m, q in [0, 15]
+  (20 bytes: 5 bits per weight). Weight j of a block is the low nibble of byte j, weight j + 16
+  the high nibble.
+
+``--quantization int8`` quantizes float weights to ``q8_0`` with one scale per output channel
+(every block of a row shares it); ``int4`` to ``q4_1`` per group of 32 (scale and zero point);
+``gguf`` keeps a GGUF file's own Q8_0 and Q4_1 blocks as they are, and turns Q4_0 into Q4_1
+without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0.
+
+The fast path is ``torch.ops.tokenmill.qlinear`` (``csrc/cpu_kernels.cpp``): activations are
+quantized per token and per block of 32 to int8 and multiplied on integer units. The functions
+here are its exact torch emulation (``ref_qlinear``, used by the tests) and the dequantize path
+that serves devices without the kernels (``dequantize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import QUANTIZATIONS
+
+QK = 32
+BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1}  # the kernel's fmt argument
+
+
+@dataclass
+class QuantizedTensor:
+    data: torch.Tensor  # uint8 [N, K / 32 * block bytes]
+    fmt: str  # "q8_0" | "q4_1"
+    shape: tuple[int, int]  # (N, K) of the float matrix it stands for
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.fmt not in BLOCK_BYTES:
+            raise ValueError(f"unknown quantized format {self.fmt!r} (known: {', '.join(BLOCK_BYTES)})")
+        if k % QK:
+            raise ValueError(f"quantized weights need in_features divisible by {QK}, got {k}")
+        want = (n, k // QK * BLOCK_BYTES[self.fmt])
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+            raise ValueError(f"{self.fmt} data for a [{n}, {k}] matrix must be uint8 {want}, "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def blocks(self) -> torch.Tensor:
+        n, k = self.shape
+        return self.data.view(n, k // QK, BLOCK_BYTES[self.fmt])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_rows(self.data, self.fmt, self.shape[1]).to(dtype)
+
+    def to(self, device) -> "QuantizedTensor":
+        return QuantizedTensor(self.data.to(device), self.fmt, self.shape)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 -> [...] float32 (little-endian fp16)."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def dequantize_rows(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """uint8 [..., K/32 * bytes] blocks -> float32 [..., K]."""
+    lead = data.shape[:-1]
+    blk = data.reshape(*lead, k // QK, BLOCK_BYTES[fmt])
+    d = _f16(blk[..., 0:2])[..., None]
+    if fmt == "q8_0":
+        q = blk[..., 2:].contiguous().view(torch.int8).float()
+        w = d * q
+    else:
+        m = _f16(blk[..., 2:4])[..., None]
+        nib = blk[..., 4:]
+        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
+        w = d * q + m
+    return w.reshape(*lead, k)
+
+
+def _pack_f16(x: torch.Tensor) -> torch.Tensor:
+    """float [...] -> uint8 [..., 2] (its fp16 bytes)."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 with one scale per output channel (row), stored as q8_0 blocks."""
+    w = w.float()
+    n, k = w.shape
+    d = (w.abs().amax(1) / 127).to(torch.float16).float()  # the scale as stored
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(w * inv[:, None]).clamp(-127, 127).to(torch.int8).view(n, k // QK, QK)
+    dd = _pack_f16(d)[:, None, :].expand(n, k // QK, 2)
+    data = torch.cat([dd, q.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
+    return QuantizedTensor(data, "q8_0", (n, k))
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 with one scale per block of 32 (GGUF Q8_0)."""
+    w = w.float()
+    n, k = w.shape
+    g = w.view(n, k // QK, QK)
+    d = (g.abs().amax(-1) / 127).to(torch.float16).float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    data = torch.cat([_pack_f16(d), q.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
+    return QuantizedTensor(data, "q8_0", (n, k))
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedTensor:
+    """Asymmetric int4 per group of 32 (scale and zero point), stored as q4_1 blocks."""
+    w = w.float()
+    n, k = w.shape
+    g = w.view(n, k // QK, QK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    m = lo.to(torch.float16).float()
+    d = ((hi - m) / 15).to(torch.float16).float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round((g - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    nib = q[..., :16] | (q[..., 16:] << 4)
+    data = torch.cat([_pack_f16(d), _pack_f16(m), nib], dim=-1).reshape(n, -1).contiguous()
+    return QuantizedTensor(data, "q4_1", (n, k))
+
+
+def q4_0_to_q4_1(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q4_0 rows (fp16 d, 16 nibble bytes; w = d * (q - 8)) as Q4_1 rows, exactly: m = -8 d."""
+    lead = raw.shape[:-1]
+    blk = raw.reshape(*lead, k // QK, 18)
+    d = _f16(blk[..., 0:2])
+    m = -8 * d  # a power-of-two multiple: exact in fp16 unless it overflows
+    if torch.isinf(m.to(torch.float16)).any():
+        raise ValueError("a Q4_0 scale is too large to convert to Q4_1 without overflow")
+    out = torch.cat([blk[..., 0:2], _pack_f16(m), blk[..., 2:]], dim=-1)
+    return out.reshape(*lead, k // QK * 20).contiguous()
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Stack the rows of same-format, same-K matrices (fusing q/k/v or gate/up)."""
+    fmt, k = parts[0].fmt, parts[0].shape[1]
+    assert all(p.fmt == fmt and p.shape[1] == k for p in parts)
+    return QuantizedTensor(torch.cat([p.data for p in parts], 0), fmt, (sum(p.shape[0] for p in parts), k))
+
+
+# ---- the kernel's arithmetic, in torch --------------------------------------------------------
+
+def ref_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] -> (q int8 [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel does."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // QK, QK)
+    d = g.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(g * inv[..., None]).clamp(-127, 127)  # round half to even, like the kernel
+    return q.to(torch.int8).reshape(m, k), d, d * q.sum(-1)
+
+
+def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """y = x W^T with int8 activations, as ``torch.ops.tokenmill.qlinear`` computes it (up to fp32 summation order)."""
+    n, k = w.shape
+    lead = x.shape[:-1]
+    q, dx, sx = ref_quantize_activations(x.reshape(-1, k))
+    blk = w.blocks()
+    dw = _f16(blk[..., 0:2])  # [N, nb]
+    if w.fmt == "q8_0":
+        qw = blk[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        nib = blk[..., 4:]
+        qw = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
+    # integer dot per (token, row, block): exact in float32 (|sum| < 2^24)
+    isum = torch.einsum("mbk,nbk->mnb", q.float().view(-1, k // QK, QK), qw)
+    y = ((isum * dx[:, None, :]) * dw[None]).sum(-1)
+    if w.fmt == "q4_1":
+        y = y + sx @ _f16(blk[..., 2:4]).t()
+    return y.reshape(*lead, n)
+
+
+# ---- the layer --------------------------------------------------------------------------------
+
+class QuantizedLinear(torch.nn.Module):
+    """y = x W^T + b with W in q8_0 or q4_1 blocks.
+
+    On the CPU it runs ``torch.ops.tokenmill.qlinear`` (integer dot products on the blocks). Where
+    the kernels cannot run (another device, or no compiler) it dequantizes W once, on first use,
+    and keeps the float copy: correct, but without the memory saving; the loader logs that.
+    """
+
+    def __init__(self, weight: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.fmt = weight.fmt
+        self.register_buffer("qweight", weight.data)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        return QuantizedTensor(self.qweight, self.fmt, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _ops() if x.device.type == "cpu" else None
+        if ops is not None:
+            y = ops.qlinear(x.float(), self.qweight, self.out_features, FORMAT_IDS[self.fmt]).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        if self._dense is None or self._dense.device != x.device or self._dense.dtype != x.dtype:
+            self._dense = self.weight.dequantize(torch.float32).to(device=x.device, dtype=x.dtype)
+        return torch.nn.functional.linear(x, self._dense, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt}"
+
+
+def _ops():
+    from tokenmill.layers.kernels import cpu_kernels
+
+    return cpu_kernels()
+
+
+def quantize_weight(w: torch.Tensor, mode: str) -> QuantizedTensor:
+    """A float [N, K] weight in the format a --quantization mode uses (gguf: Q8_0 for weights the file
+    did not quantize in a kept format)."""
+    if mode == "int8":
+        return quantize_int8(w)
+    if mode == "int4":
+        return quantize_int4(w)
+    if mode == "gguf":
+        return quantize_q8_0(w)
+    raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")

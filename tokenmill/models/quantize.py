@@ -1,0 +1,65 @@
+"""Swap a loaded model's linear layers (and output head) for quantized ones (--quantization).
+
+``int8``/``int4`` quantize the float weights; ``gguf`` keeps the file's own blocks where they are in
+a kept format (fused q/k/v and gate/up need all parts in the same one) and quantizes the rest to
+Q8_0. Embedding lookups stay float: they read one row per token, not the whole matrix.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.layers.quant import QUANTIZATIONS, QuantizedLinear, QuantizedTensor, cat_rows, quantize_weight
+
+logger = logging.getLogger("tokenmill")
+
+# fused module -> the Hugging Face weights it stacks, in order
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "self_attn.o_proj": ("self_attn.o_proj",),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+          "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None], mode: str) -> tuple[QuantizedTensor, bool]:
+    """(the weight to use, whether it is the file's own blocks)."""
+    if mode == "gguf" and all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1:
+        return (cat_rows(parts) if len(parts) > 1 else parts[0]), True
+    return quantize_weight(float_w, mode), False
+
+
+def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None) -> None:
+    """Replace every decoder linear layer and the output head of ``model`` in place."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return
+    if mode == "gguf" and raw is None:
+        raise ValueError("--quantization gguf keeps a GGUF file's own quantized blocks: the model must be a "
+                         ".gguf file; for a Hugging Face folder use int8 or int4")
+    raw = raw or {}
+    if model.cfg.hidden_size % 32 or model.cfg.intermediate_size % 32:
+        raise ValueError("quantized weights need hidden and intermediate sizes divisible by 32")
+    requantized = 0
+    for i, layer in enumerate(model.layers):
+        for path, sources in _FUSED.items():
+            owner_name, attr = path.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            lin = getattr(owner, attr)
+            parts = [raw.get(f"model.layers.{i}.{s}.weight") for s in sources]
+            qw, kept = _pick(lin.weight.data, parts, mode)
+            requantized += mode == "gguf" and not kept
+            setattr(owner, attr, QuantizedLinear(qw, lin.bias))
+    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    qw, kept = _pick(head.data, [raw.get(head_name)], mode)
+    requantized += mode == "gguf" and not kept
+    model.head = QuantizedLinear(qw)
+    if requantized:
+        logger.info("--quantization gguf: %d linear layers were not in a kept GGUF format and use Q8_0", requantized)
+
+
+def quantized_weight_bytes(model) -> int:
+    """Bytes of every quantized weight (what a decode step reads for them)."""
+    return sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantizedLinear))
