@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # --quantization (layers/quant.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype (layers/attention.py)
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -48,8 +49,11 @@ class CacheConfig:
     # bytes ("2GiB", "512MB", 1e9) or a fraction of free memory (0 < x <= 1)
     kv_cache_memory: str | float = "0.1"
     enable_prefix_caching: bool = False  # share full KV blocks between requests with a common prefix
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8 (e4m3) with a scale per token and head
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         parse_memory(self.kv_cache_memory)  # validate early

@@ -21,7 +21,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,8 +63,7 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
 
         cache = config.cache
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token * elem
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
         kind, value = parse_memory(cache.kv_cache_memory)
         budget = value * free_memory_bytes(self.device) if kind == "fraction" else value
         num_blocks = int(budget // (self.kv_bytes_per_token * cache.block_size))
@@ -74,17 +73,18 @@ class LLMEngine:
                 f"{self.kv_bytes_per_token * cache.block_size} bytes; raise --kv-cache-memory"
             )
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
-        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}".encode()
+        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{config.quantization}|{cache.kv_cache_dtype}".encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device)
+        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
+                                       cache.kv_cache_dtype)
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
-        logger.info("model %s: %s, dtype %s on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
-                    self.model_name, self.model_config.architecture, self.dtype, self.device, num_blocks,
-                    cache.block_size, num_blocks * cache.block_size * self.kv_bytes_per_token / 2**20)
+        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB)",
+                    self.model_name, self.model_config.architecture, self.dtype, self.device, config.quantization,
+                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * cache.block_size * self.kv_bytes_per_token / 2**20)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -170,4 +170,31 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probability of each token after the first given the ones before it ([len - 1] float32):
+        one prefill through the paged KV cache (so KV-cache quantization counts), outside the scheduler.
+        Call it only while no request runs."""
+        from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
+
+        if self.has_unfinished_requests():
+            raise RuntimeError("score() runs outside the scheduler: finish or abort the running requests first")
+        ids = self.tokenize_prompt(list(token_ids))
+        if not 2 <= len(ids) <= self.max_model_len:
+            raise ValueError(f"score() needs 2 to {self.max_model_len} tokens, got {len(ids)}")
+        bs = self.kv_cache.block_size
+        table = self.kv_cache.allocate_slots("__score__", len(ids))
+        if table is None:
+            raise ValueError(f"{len(ids)} tokens do not fit in the KV cache; raise --kv-cache-memory")
+        try:
+            pos = torch.arange(len(ids), device=self.device)
+            t = torch.tensor(table, device=self.device)
+            meta = AttentionMetadata(t[pos // bs] * bs + pos % bs, 0, None, None, 0,
+                                     [PrefillChunk(0, len(ids), 0, t)])
+            x = torch.tensor(ids, device=self.device)
+            logits = self.runner.model(x, pos, self.runner.kv_caches, meta, pos[:-1])
+            return torch.log_softmax(logits.float(), -1).gather(1, x[1:, None]).squeeze(1).cpu()
+        finally:
+            self.kv_cache.free("__score__")
 

@@ -8,6 +8,12 @@ The runner lays the batch out as [decode tokens (one per request) | prefill chun
   (chunked prefill, recompute, prefix hits) attends to the cached blocks too.
 
 Backends are chosen by name through ``get_backend``; a GPU backend plugs in beside this one.
+
+A layer's cache is ``(k_cache, v_cache)`` in the model dtype, or, with ``--kv-cache-dtype int8|fp8``,
+``(k_cache, v_cache, k_scale, v_scale)``: int8 values (or fp8 e4m3 bits stored as uint8) with one
+float32 scale per token and KV head (amax / 127, or amax / 448), quantized as K/V are written and
+dequantized where attention gathers them. The fresh K/V of a chunk go through the same round trip,
+so a token's attention sees the same values whether its context came from this step or the cache.
 """
 
 from __future__ import annotations
@@ -36,6 +42,33 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
 
 
+_QMAX = {torch.int8: 127.0, torch.uint8: 448.0}  # int8; fp8 e4m3 (stored as its bits)
+
+
+def quantize_kv(x: torch.Tensor, store: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hkv, D] -> (values in the cache's storage dtype, float32 scales [T, Hkv])."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / _QMAX[store]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = xf / scale[..., None]
+    if store == torch.int8:
+        return y.round().clamp_(-127, 127).to(torch.int8), scale
+    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if values.dtype == torch.uint8:
+        values = values.view(torch.float8_e4m3fn)
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def gather_kv(kv: tuple, which: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``index`` of the K (which=0) or V (1) cache, in ``dtype``."""
+    if len(kv) == 2:
+        return kv[which][index]
+    return dequantize_kv(kv[which][index], kv[which + 2][index], dtype)
+
+
 class TorchPagedAttention:
     """Portable backend: torch indexing plus scaled_dot_product_attention (CPU or GPU)."""
 
@@ -46,47 +79,53 @@ class TorchPagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],  # k_cache, v_cache [num_blocks, block_size, Hkv, D] (+ scales)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
-        num_blocks, block_size, hkv, d = k_cache.shape
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        num_blocks, block_size, hkv, d = kv[0].shape
+        if len(kv) == 2:
+            kv[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+            kv[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        else:
+            for i, x in enumerate((k, v)):
+                values, scale = quantize_kv(x, kv[i].dtype)
+                kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, values)
+                kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
+            k, v = (dequantize_kv(*quantize_kv(x, kv[0].dtype), q.dtype) for x in (k, v))
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, group)
+            out[:nd] = self._decode(q[:nd], kv, meta, group)
         for c in meta.prefills:
             out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end],
-                                                 k_cache, v_cache, c, group)
+                                                 kv, c, group)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, group):
+    def _decode(q, kv, meta, group):
         b, h, d = q.shape
-        hkv = k_cache.shape[2]
-        n_blk = -(-meta.decode_max_len // k_cache.shape[1])
+        hkv = kv[0].shape[2]
+        n_blk = -(-meta.decode_max_len // kv[0].shape[1])
         tables = meta.decode_block_tables[:, :n_blk]
         # [B, n_blk, bs, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)
-        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        keys = gather_kv(kv, 0, tables, q.dtype).flatten(1, 2).transpose(1, 2)
+        vals = gather_kv(kv, 1, tables, q.dtype).flatten(1, 2).transpose(1, 2)
         mask = torch.arange(keys.shape[2], device=q.device) < meta.decode_seq_lens[:, None]  # [B, L]
         qg = q.view(b, hkv, group, d)  # query heads sharing a KV head ride the query-length axis
         o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[:, None, None, :])
         return o.reshape(b, h, d)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, c: PrefillChunk, group):
+    def _prefill(q, k, v, kv, c: PrefillChunk, group):
         n, h, d = q.shape
         if c.context_len == 0:
             keys, vals = k, v  # nothing cached before this chunk: use the fresh K/V directly
         else:
             total = c.context_len + n
-            hkv = k_cache.shape[2]
-            keys = k_cache[c.block_table].reshape(-1, hkv, d)[:total]
-            vals = v_cache[c.block_table].reshape(-1, hkv, d)[:total]
+            hkv = kv[0].shape[2]
+            keys = gather_kv(kv, 0, c.block_table, q.dtype).reshape(-1, hkv, d)[:total]
+            vals = gather_kv(kv, 1, c.block_table, q.dtype).reshape(-1, hkv, d)[:total]
         # [n, H, D] -> [Hkv, group*n, D] would need a custom mask; repeating K/V keeps the fast causal kernel.
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
         vals = vals.transpose(0, 1).repeat_interleave(group, dim=0)

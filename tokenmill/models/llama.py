@@ -43,7 +43,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k = RotaryEmbedding.apply(q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), *rope_tables)
-        o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv[0], kv[1], meta)  # [T, H, D]
+        o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer; see layers/attention.py
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
     ) -> torch.Tensor:  # [N, V] float32

@@ -29,12 +29,27 @@ class _RequestState:
     stop_ids: list[int] = field(default_factory=list)  # banned until min_tokens
 
 
+KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 e4m3 kept as its bits (layers/attention.py)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V (and their scales) per token over all layers: what admission and metrics count."""
+    if kv_cache_dtype == "auto":
+        return cfg.kv_bytes_per_token * torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)  # 1-byte values + a float32 scale
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      device: torch.device, kv_cache_dtype: str = "auto") -> list[tuple[torch.Tensor, ...]]:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN from stale
     # memory would still poison the output.
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    if kv_cache_dtype == "auto":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(cfg.num_layers)]
+    store = KV_STORAGE[kv_cache_dtype]
+    return [(torch.zeros(shape, dtype=store, device=device), torch.zeros(shape, dtype=store, device=device),
+             torch.ones(shape[:3], device=device), torch.ones(shape[:3], device=device))
             for _ in range(cfg.num_layers)]
 
 
