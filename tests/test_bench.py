@@ -126,6 +126,7 @@ def fake_openai_app(fail_every: int = 0, slow_every: int = 2) -> FastAPI:
     token, then GAP per token; every ``fail_every``-th request gets HTTP 500."""
     app = FastAPI()
     app.state.count = 0
+    app.state.prompts = []
 
     async def stream(body: dict, chat: bool, ttft: float):
         n = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -154,6 +155,7 @@ def fake_openai_app(fail_every: int = 0, slow_every: int = 2) -> FastAPI:
         if fail_every and k % fail_every == fail_every - 1:
             return JSONResponse({"error": {"message": "scripted failure", "type": "server_error"}}, status_code=500)
         body = await request.json()
+        app.state.prompts.append(body.get("prompt") or json.dumps(body.get("messages")))
         ttft = SLOW_TTFT if k % slow_every == slow_every - 1 else FAST_TTFT
         return StreamingResponse(stream(body, chat, ttft), media_type="text/event-stream")
 
@@ -268,6 +270,11 @@ def test_cli_compare_sweep_json_and_plots(fake_server, tiny_tokenizer, tmp_path,
     assert "A: highest request rate meeting the SLOs: 20" in text
     assert "B: highest request rate meeting the SLOs: none" in text
     assert {p.name for p in plots.iterdir()} == {"latency_cdf.png", "tokens_in_flight.png", "sweep.png"}
+    # both servers got the same prompts; each sweep point and the readiness probe had prompts of their own
+    pa, pb = a.app.state.prompts, b.app.state.prompts
+    assert len(pa) == 9 and sorted(pa) == sorted(pb)
+    probe, first, second = {pa[0]}, set(pa[1:5]), set(pa[5:])
+    assert len(first) == len(second) == 4 and not (first & second) and not (probe & (first | second))
 
 
 def test_cli_bad_input_says_what_to_do(fake_server, tiny_tokenizer, capsys):

@@ -129,16 +129,16 @@ def _check(a: argparse.Namespace) -> None:
         raise ValueError(f"--timeout must be positive, got {a.timeout}")
 
 
-async def _bench(a: argparse.Namespace, apis: list[ApiConfig], requests, points: list[LoadSpec],
+async def _bench(a: argparse.Namespace, apis: list[ApiConfig], workloads: list, warmup, points: list[LoadSpec],
                  slos: dict, percentiles: list[float]) -> list[list[RunResult]]:
     for api in apis:
-        await wait_until_ready(api, requests[0], a.ready_timeout)
+        await wait_until_ready(api, warmup, a.ready_timeout)
     per_point: list[list[RunResult]] = []
     for k, load in enumerate(points):
         order = apis if k % 2 == 0 else apis[::-1]  # ABBA: neither server always goes first
         got = {}
         for api in order:
-            got[api.label] = await run_async(api, requests, load, timeout=a.timeout, progress=not a.no_progress,
+            got[api.label] = await run_async(api, workloads[k], load, timeout=a.timeout, progress=not a.no_progress,
                                              slos=slos, percentiles=percentiles)
         runs = [got[api.label] for api in apis]
         per_point.append(runs)
@@ -170,8 +170,17 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                              "--label/--compare-label to tell them apart")
     spec = dataset_spec(a)
     spec.check()
-    requests = sample_requests(spec, load_tokenizer(a.tokenizer or a.model))
-    per_point = asyncio.run(_bench(a, apis, requests, points, slos, percentiles))
+    # Every sweep point gets prompts of its own (the same for both servers at that point), and the
+    # readiness probe one from outside the workload: a server's prompt cache must not turn a later
+    # point, or the first request, into cache hits.
+    from dataclasses import replace
+
+    from tokenmill.bench.datasets import PromptMaker
+
+    maker = PromptMaker(load_tokenizer(a.tokenizer or a.model))
+    workloads = [sample_requests(replace(spec, seed=spec.seed + k), maker) for k in range(len(points))]
+    warmup = sample_requests(replace(spec, seed=spec.seed + 7919, num_prompts=1), maker)[0]
+    per_point = asyncio.run(_bench(a, apis, workloads, warmup, points, slos, percentiles))
     runs = [r for point in per_point for r in point]
     over = a.sweep_over if a.sweep else "rate"
     if len(per_point) > 1 or len(apis) > 1:
