@@ -155,6 +155,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_from_args(a)
 
 
+def _lazy(module: str, name: str):
+    """A command that imports its module only when it runs (torch and the server load slowly)."""
+    def run(a: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(a)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference with a paged KV cache "
                                 "and continuous batching")
@@ -199,11 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "metrics; --sweep finds the highest load meeting --goodput SLOs, --compare runs "
                                      "a second server alternately and prints both side by side.")
     add_serve_args(bs)
-    bs.set_defaults(func=_bench_serve)
+    bs.set_defaults(func=_lazy("tokenmill.bench.serve", "cmd_bench_serve"))
     bo = bsub.add_parser("offline", help="engine-only throughput through LLM.generate (no HTTP)")
     add_offline_args(bo)
     add_engine_args(bo)
-    bo.set_defaults(func=_bench_offline)
+    bo.set_defaults(func=_lazy("tokenmill.bench.offline", "cmd_bench_offline"))
 
     e = sub.add_parser("eval", help="model quality under an engine configuration")
     esub = e.add_subparsers(dest="eval_command", required=True)
@@ -214,26 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "--context-len whose second halves are scored (llama-perplexity's method).")
     add_eval_args(ep)
     add_engine_args(ep)
-    ep.set_defaults(func=_eval_perplexity)
+    ep.set_defaults(func=_lazy("tokenmill.eval", "cmd_perplexity"))
     return p
 
 
-def _eval_perplexity(a: argparse.Namespace) -> int:
-    from tokenmill.eval import cmd_perplexity
 
-    return cmd_perplexity(a)
-
-
-def _bench_serve(a: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import cmd_bench_serve
-
-    return cmd_bench_serve(a)
-
-
-def _bench_offline(a: argparse.Namespace) -> int:
-    from tokenmill.bench.offline import cmd_bench_offline
-
-    return cmd_bench_offline(a)
 
 
 def main(argv: list[str] | None = None) -> int:

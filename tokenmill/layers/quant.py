@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.layers.kernels import cpu_kernels
 
 QK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}
@@ -216,9 +217,7 @@ class QuantizedLinear(torch.nn.Module):
 
 
 def _ops():
-    from tokenmill.layers.kernels import cpu_kernels
-
-    return cpu_kernels()
+    return cpu_kernels()  # cached after the first call
 
 
 def quantize_weight(w: torch.Tensor, mode: str) -> QuantizedTensor:
