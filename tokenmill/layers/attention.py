@@ -87,11 +87,13 @@ class TorchPagedAttention:
             kv[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
             kv[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         else:
+            fresh = []
             for i, x in enumerate((k, v)):
                 values, scale = quantize_kv(x, kv[i].dtype)
                 kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, values)
                 kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
-            k, v = (dequantize_kv(*quantize_kv(x, kv[0].dtype), q.dtype) for x in (k, v))
+                fresh.append(dequantize_kv(values, scale, q.dtype))  # what the cache will give back
+            k, v = fresh
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes
