@@ -73,6 +73,7 @@ class TorchPagedAttention:
     """Portable backend: torch indexing plus scaled_dot_product_attention (CPU or GPU)."""
 
     name = "torch"
+    ops = None  # torch.ops.tokenmill: decode attention reads float32 blocks in place (see use_fused_ops)
 
     def forward(
         self,
@@ -97,7 +98,10 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes
-        if nd:
+        if nd and self.ops is not None and len(kv) == 2 and q.dtype == torch.float32 and not q.is_cuda:
+            out[:nd] = self.ops.paged_decode_attention(q[:nd], kv[0], kv[1], meta.decode_block_tables,
+                                                       meta.decode_seq_lens, d ** -0.5)
+        elif nd:
             out[:nd] = self._decode(q[:nd], kv, meta, group)
         for c in meta.prefills:
             out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end],

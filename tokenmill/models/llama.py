@@ -23,8 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = None  # torch.ops.tokenmill when the fused CPU kernels are on (see use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, as the reference implementation does, then scale in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,11 +41,17 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
+        self.ops = None
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = RotaryEmbedding.apply(q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), *rope_tables)
+        qkv = self.qkv_proj(x)
+        if self.ops is not None:  # q and k heads are adjacent in the fused output: rotate them in one call
+            self.ops.rope_(qkv, rope_tables[0], rope_tables[1], self.h + self.hkv, self.d)
+        q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d)
+        if self.ops is None:
+            q, k = RotaryEmbedding.apply(q, k, *rope_tables)
         o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -52,8 +61,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -81,7 +93,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
+        self.ops = None
         self.requires_grad_(False)
+
+    def use_fused_ops(self, ops) -> None:
+        """Run RMSNorm, RoPE and SwiGLU through fused CPU kernels (``torch.ops.tokenmill``; float32 on
+        the CPU only), or through the torch reference code when ``ops`` is None."""
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+        for layer in self.layers:
+            layer.self_attn.backend.ops = ops
 
     def forward(
         self,
@@ -93,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [N, V] float32
         x = self.embed_tokens(input_ids)
         rope_tables = self.rope.tables(positions)
+        if self.ops is not None:
+            rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope_tables, kv, meta)
         # The output head is the largest GEMM: run it only where a token is sampled.

@@ -56,5 +56,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     # RoPE tables stay float32 for accuracy; everything else takes the compute dtype.
     model.to(device=device, dtype=dtype)
     model.rope.to(device=device, dtype=torch.float32)
+    # The fused elementwise kernels come with the quantized ones (same build); the float path keeps the
+    # torch reference ops, so an unquantized model never waits for a compiler.
+    if quantization != "none" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
+        model.use_fused_ops(cpu_kernels())
     model.eval()
     return LoadedModel(model, cfg, tokenizer, max_model_len)

@@ -127,7 +127,7 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     }
     for (int m = 0; m < RM; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * QK));
-      const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
+      const float dx = xd[m * nb + b];
       for (int n = 0; n < RN; ++n) {
         __m256i isum;
         if constexpr (Q4) {
@@ -135,8 +135,8 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
         } else {
           isum = dot_u8s8(wabs[n], _mm256_sign_epi8(xv, w[n]));
         }
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dx);
-        acc[n][m] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[n]), acc[n][m]);
+        // one combined scale per (row, token, block): a single FMA on the integer sums
+        acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw[n] * dx), acc[n][m]);
         if constexpr (Q4) macc[n][m] += mw[n] * xs[m * nb + b];
       }
     }
@@ -232,14 +232,176 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   return {q, d, s};
 }
 
+// ---- fused elementwise ops of a decoder layer ----------------------------------------------------
+// At decode sizes every torch op costs several microseconds of dispatch, more than its arithmetic;
+// these replace the RMSNorm, RoPE and SwiGLU chains (7, ~20 and 3 ops) with one call each.
+// Same arithmetic as the torch reference in tokenmill/models/llama.py and layers/rotary.py.
+
+void check_f32_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "tokenmill::", op, " takes a float32 CPU tensor [T, D] with unit column stride");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32_rows(x, "rms_norm");
+  const int64_t T = x.size(0), D = x.size(1), ld = x.stride(0);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D,
+              "tokenmill::rms_norm: weight must be float32 [", D, "]");
+  auto y = at::empty({T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* r = xp + t * ld;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < D; ++i) ss += r[i] * r[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) yp[t * D + i] = wp[i] * (r[i] * inv);
+    }
+  });
+  return y;
+}
+
+// Rotate-half RoPE, in place, on the first n_heads heads of each row of x (a fused q|k|v projection
+// output: the query heads then the key heads are rotated, the value heads are left alone).
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t n_heads, int64_t head_dim) {
+  check_f32_rows(x, "rope_");
+  const int64_t T = x.size(0), ld = x.stride(0), half = head_dim / 2;
+  TORCH_CHECK(head_dim % 2 == 0 && n_heads * head_dim <= x.size(1), "tokenmill::rope_: bad head layout");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == T * half && sin.numel() == T * half,
+              "tokenmill::rope_: cos/sin must be contiguous float32 [T, head_dim / 2]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + t * half;
+      const float* sn = sp + t * half;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* a = xp + t * ld + h * head_dim;
+        float* b = a + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * sn[i];
+          b[i] = x2 * c[i] + x1 * sn[i];
+        }
+      }
+    }
+  });
+}
+
+// SwiGLU on a fused gate|up projection output [T, 2I] -> silu(gate) * up, [T, I].
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_f32_rows(gu, "silu_mul");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
+  TORCH_CHECK(gu.size(1) % 2 == 0, "tokenmill::silu_mul: the last dimension must be even");
+  auto y = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * ld;
+      const float* u = g + I;
+      for (int64_t i = 0; i < I; ++i) yp[t * I + i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
+// ---- decode attention over the paged KV cache, reading the blocks in place ---------------------------
+// One query token per sequence (q [B, H, D]) against that sequence's first seq_lens[b] cached tokens,
+// found through its block table; no gathered copy of the context. Query heads sharing a KV head
+// (grouped-query attention) are handled together so each key and value is read once per group.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "tokenmill::paged_decode_attention: q must be float32 [B, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "tokenmill::paged_decode_attention: caches must be contiguous float32 [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(),
+              "tokenmill::paged_decode_attention: block_tables and seq_lens must be contiguous int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), ldq = q.stride(0);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), HKV = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % HKV == 0, "tokenmill::paged_decode_attention: head layout mismatch");
+  const int64_t G = H / HKV, W = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * BS, "tokenmill::paged_decode_attention: seq_len ", lp[b],
+                " does not fit the block table of ", W, " blocks");
+  auto out = at::empty({B, H, D}, q.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * HKV, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<float> acc(G * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / HKV, hk = i % HKV, L = lp[b];
+      scores.assign(G * L, 0.0f);
+      const float* qh = qp + b * ldq + hk * G * D;  // the G query heads of this KV head are adjacent
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t blk = tp[b * W + j / BS];
+        TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_decode_attention: block id ", blk, " out of range");
+        const float* kj = kp + ((blk * BS + j % BS) * HKV + hk) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          float dot = 0.0f;
+          for (int64_t e = 0; e < D; ++e) dot += qh[g * D + e] * kj[e];
+          scores[g * L + j] = dot * sc;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> denom(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        const float mx = *std::max_element(sg, sg + L);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < L; ++j) {
+          sg[j] = std::exp(sg[j] - mx);
+          sum += sg[j];
+        }
+        denom[g] = 1.0f / sum;
+      }
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t blk = tp[b * W + j / BS];
+        const float* vj = vp + ((blk * BS + j % BS) * HKV + hk) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + j];
+          float* a = acc.data() + g * D;
+          for (int64_t e = 0; e < D; ++e) a[e] += p * vj[e];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t e = 0; e < D; ++e) op[(b * H + hk * G + g) * D + e] = acc[g * D + e] * denom[g];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("qlinear(Tensor x, Tensor w, int n_out, int fmt) -> Tensor");
   m.def("quantize_activations(Tensor x) -> Tensor[]");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int n_heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("quantize_activations", &quantize_activations);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }
