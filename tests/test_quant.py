@@ -90,6 +90,25 @@ def test_kernel_matches_its_reference(fmt, m):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["q8_0", "int4"])
+def test_prefill_sized_batches_take_the_dequantized_float_gemm(fmt):
+    """From DENSE_GEMM_MIN_TOKENS rows on, the layer unpacks its blocks (exactly dequantize_rows' values)
+    and runs the float GEMM; below, the integer kernel (its activation rounding shows in the result)."""
+    from tokenmill.layers.quant import DENSE_GEMM_MIN_TOKENS
+
+    torch.manual_seed(0)
+    n, k = 37, 192
+    qw = QUANTIZERS[fmt](torch.randn(n, k))
+    assert torch.equal(cpu_kernels().dequantize(qw.data, n, k, FORMAT_IDS[qw.fmt]), qw.dequantize())
+    layer = QuantizedLinear(qw, torch.randn(n))
+    big = torch.randn(DENSE_GEMM_MIN_TOKENS, k)
+    assert torch.allclose(layer(big), big @ qw.dequantize().t() + layer.bias, atol=1e-5)
+    small = big[:5]
+    assert torch.allclose(layer(small), ref_qlinear(small, qw) + layer.bias, atol=1e-4)
+    assert not torch.allclose(layer(small), small @ qw.dequantize().t() + layer.bias, atol=1e-5)
+
+
+@needs_kernels
 def test_kernel_activation_rounding_is_the_reference():
     x = torch.randn(9, 128) * 5
     x[0] = 0  # an all-zero block gets scale 0

@@ -1,0 +1,172 @@
+"""tokenmill vs llama.cpp in the three CPU regimes, each against this machine's roofline.
+
+Regimes (the quantization issue's speed targets):
+- decode: one sequence generating 128 tokens (llama-bench tg128);
+- prefill: one 512-token prompt (llama-bench pp512), time to first token;
+- batched: 64 sequences of 128 prompt + 128 generated tokens, total tok/s (llama-batched-bench).
+
+Roofline, measured here by the same script so the fractions come from one run:
+- memory bandwidth: a read-only sum over a 1 GiB float32 tensor, 2 threads;
+- GEMM peak: float32 torch.mm and tokenmill's int8-activation kernel at M=512 on the model's widest shape.
+Decode floor per token = bytes of weights one step reads / bandwidth; prefill floor = 2 x weights x tokens
+FLOPs / the GEMM peak of the arithmetic that regime uses (attention FLOPs ignored: <5% at 512 tokens).
+
+    python benchmarks/cpu_regimes.py --quantization gguf none                 # tokenmill only
+    python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR       # + llama-bench, llama-batched-bench
+
+DIR holds llama.cpp's llama-bench and llama-batched-bench (a native build); they run on the same GGUF file,
+with the same thread count, after tokenmill in the same process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(ts) / 1e9  # GB/s
+
+
+def measure_gemm_peaks(m: int = 512, k: int = 576, n: int = 3072, reps: int = 10) -> dict[str, float]:
+    from tokenmill.layers.quant import QuantizedLinear, quantize_weight
+
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    out = {}
+
+    def best(fn):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return 2 * m * k * n / min(ts) / 1e9  # GFLOP/s
+
+    out["fp32_gflops"] = best(lambda: torch.mm(x, w.t()))
+    q = QuantizedLinear(quantize_weight(w, "int4"))
+    out["int_kernel_gflops"] = best(lambda: q(x))
+    return out
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step reads: every linear weight and the output head (the embedding only as the head)."""
+    from tokenmill.layers.quant import QuantizedLinear
+
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantizedLinear):
+            total += mod.weight.nbytes
+        elif isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    if model.head is None and model.lm_head is None:  # tied float head: the embedding matrix is read
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def decoder_weights(model) -> int:
+    """Weights of the decoder's linear layers: 2x this is a prompt token's FLOPs (logits only for the last)."""
+    from tokenmill.layers.quant import QuantizedLinear
+
+    return sum(m.in_features * m.out_features for m in model.layers.modules()
+               if isinstance(m, (QuantizedLinear, torch.nn.Linear)))
+
+
+def run_tokenmill(quantization: str, vocab_hi: int = 20000) -> dict:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model="smollm2-135m-instruct", quantization=quantization, max_num_batched_tokens=2048,
+              max_num_seqs=64)
+    model = llm.engine.runner.model
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n, length):
+        return [torch.randint(100, vocab_hi, (length,), generator=g).tolist() for _ in range(n)]
+
+    greedy = dict(temperature=0, ignore_eos=True)
+    llm.generate(prompts(2, 64), SamplingParams(max_tokens=8, **greedy), use_tqdm=False)  # warm up
+    res = {"quantization": quantization, "weight_bytes": weight_bytes(model), "params": decoder_weights(model)}
+    # decode: 128 tokens after a 1-token prompt; rate over the 127 gaps after the first token
+    dec = []
+    for _ in range(3):
+        m = llm.generate(prompts(1, 1), SamplingParams(max_tokens=128, **greedy), use_tqdm=False)[0].metrics[0]
+        dec.append(127 / (m.token_times[-1] - m.token_times[0]))
+    res["decode_tok_s"] = statistics.median(dec)
+    pre = []
+    for _ in range(3):
+        m = llm.generate(prompts(1, 512), SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0].metrics[0]
+        pre.append(512 / m.ttft)
+    res["prefill_tok_s"] = statistics.median(pre)
+    t = time.perf_counter()
+    llm.generate(prompts(64, 128), SamplingParams(max_tokens=128, **greedy), use_tqdm=False)
+    res["batched_total_tok_s"] = 64 * 256 / (time.perf_counter() - t)
+    return res
+
+
+def run_llama(bin_dir: Path, gguf: str, threads: int) -> dict:
+    out = {}
+    r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128",
+                        "-o", "json"], capture_output=True, text=True, check=True)
+    for row in json.loads(r.stdout):
+        key = "prefill_tok_s" if row["n_prompt"] else "decode_tok_s"
+        out[key] = row["avg_ts"]
+    r = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", gguf, "-t", str(threads), "-c", "20000",
+                        "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "64"],
+                       capture_output=True, text=True, check=True)
+    # table row: |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    row = next(ln for ln in r.stdout.splitlines() if re.match(r"\|\s+128\s+\|\s+128\s+\|\s+64\s+\|", ln))
+    out["batched_total_tok_s"] = float(row.strip("|").split("|")[-1])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quantization", nargs="+", default=["gguf"], help="tokenmill modes to run (default gguf)")
+    ap.add_argument("--llama-bin", type=Path, help="folder with llama-bench and llama-batched-bench")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    bw = measure_bandwidth()
+    peaks = measure_gemm_peaks()
+    print(f"roofline: bandwidth {bw:.1f} GB/s, fp32 GEMM {peaks['fp32_gflops']:.0f} GFLOP/s, "
+          f"int kernel {peaks['int_kernel_gflops']:.0f} GFLOP/s ({args.threads} threads)")
+    rows = [run_tokenmill(q) for q in args.quantization]
+    if args.llama_bin:
+        from tokenmill.models.registry import resolve_model
+
+        rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, str(resolve_model(
+            "smollm2-135m-instruct").path), args.threads)})
+    gguf_row = next((r for r in rows if r["quantization"] == "gguf"), rows[0])
+    print(f"\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        wb = r.get("weight_bytes", gguf_row["weight_bytes"])
+        dec_floor = bw * 1e9 / wb
+        peak = peaks["fp32_gflops"] if r["quantization"] == "none" else peaks["int_kernel_gflops"]
+        pre_floor = peak * 1e9 / (2 * gguf_row["params"])
+        name = r["quantization"] if r["quantization"] == "llama.cpp" else f"tokenmill {r['quantization']}"
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / dec_floor:.0%} of {dec_floor:.0f} "
+              f"| {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / pre_floor:.0%} of {pre_floor:.0f} "
+              f"| {r['batched_total_tok_s']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bandwidth_gbs": bw, **peaks, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
