@@ -97,8 +97,8 @@ class LlamaForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     def use_fused_ops(self, ops) -> None:
-        """Run RMSNorm, RoPE and SwiGLU through fused CPU kernels (``torch.ops.tokenmill``; float32 on
-        the CPU only), or through the torch reference code when ``ops`` is None."""
+        """Run RMSNorm, RoPE, SwiGLU and float32-cache decode attention through fused CPU kernels
+        (``torch.ops.tokenmill``; float32 on the CPU only), or the torch reference code when ``ops`` is None."""
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
