@@ -449,7 +449,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 def test_random_operations_keep_the_cache_consistent():
     stats: Counter = Counter()
     machine = type("Machine", (SchedulerMachine,), {"stats": stats})
-    run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=30, deadline=None))
+    # derandomize: the coverage asserts below must not depend on a lucky draw (a random run once had no prefix hit)
+    run_state_machine_as_test(machine, settings=settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                                         derandomize=True))
     assert stats["examples"] > 0
     assert stats["with_preemption"] > 0, "no example preempted anything: the pool is too big to test it"
     assert stats["with_prefix_hits"] > 0, "no example hit the prefix cache: the prompts share too little"
