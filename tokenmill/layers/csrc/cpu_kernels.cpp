@@ -127,7 +127,7 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     }
     for (int m = 0; m < RM; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * QK));
-      const float dx = xd[m * nb + b];
+      const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
       for (int n = 0; n < RN; ++n) {
         __m256i isum;
         if constexpr (Q4) {
@@ -135,8 +135,8 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
         } else {
           isum = dot_u8s8(wabs[n], _mm256_sign_epi8(xv, w[n]));
         }
-        // one combined scale per (row, token, block): a single FMA on the integer sums
-        acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dw[n] * dx), acc[n][m]);
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dx);
+        acc[n][m] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[n]), acc[n][m]);
         if constexpr (Q4) macc[n][m] += mw[n] * xs[m * nb + b];
       }
     }
