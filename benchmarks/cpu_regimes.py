@@ -62,7 +62,8 @@ def measure_gemm_peaks(m: int = 512, k: int = 576, n: int = 3072, reps: int = 10
     q = quantize_weight(w, "int4")
     ops = cpu_kernels()
     if ops is not None:  # the raw integer kernel (a QuantizedLinear would take the float GEMM at this M)
-        out["int_kernel_gflops"] = best(lambda: ops.qlinear(x, q.data, n, FORMAT_IDS[q.fmt]))
+        qk = q.kernel_layout()
+        out["int_kernel_gflops"] = best(lambda: ops.qlinear(x, qk, n, FORMAT_IDS[q.fmt]))
     return out
 
 

@@ -99,7 +99,7 @@ def make_kernels(w: torch.Tensor):
         print(f"# tokenmill kernels unavailable: {unavailable_reason()}")
     else:
         for name, qt in (("tm_q8", quant.quantize_int8(w)), ("tm_q4", quant.quantize_int4(w))):
-            out[name] = ((lambda qt: lambda x: ops.qlinear(x, qt.data, n, quant.FORMAT_IDS[qt.fmt]))(qt), qt.nbytes)
+            out[name] = ((lambda qt, qk: lambda x: ops.qlinear(x, qk, n, quant.FORMAT_IDS[qt.fmt]))(qt, qt.kernel_layout()), qt.nbytes)
     return out, {"int8w": (q8.float() * s8[:, None]),
                  "int4w": ((q4.view(n, k // GROUP, GROUP).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)}
 

@@ -84,3 +84,33 @@ def test_engine_with_fused_ops_matches_the_torch_ops(tmp_path):
         la = torch.tensor([lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
         lb = torch.tensor([lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
         assert torch.allclose(la, lb, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_one_call_decode_gives_the_layer_by_layer_bits(tmp_path, arch, quantization):
+    """decode_layers runs every layer of a decode-only step in one call; it must give exactly the
+    tokens and logprobs of the layer-by-layer path with the same kernels (qwen2: q/k/v bias)."""
+    from tokenmill import LLM, SamplingParams
+
+    folder = tm.save_hf_folder(tm.random_hf_model(arch), tmp_path / "m")
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization=quantization)
+    model = llm.engine.runner.model
+    calls = []
+    one_call = model._fused_decode
+
+    def counting(*args):
+        out = one_call(*args)
+        calls.append(out is not None)
+        return out
+
+    model._fused_decode = counting
+    prompts = [list(range(3, 3 + n)) for n in (5, 23, 40)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    fused = llm.generate(prompts, sp, use_tqdm=False)
+    assert any(calls) and not all(calls)  # decode steps took it, the prefill steps did not
+    model._fused_decode = lambda *args: None
+    plain = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

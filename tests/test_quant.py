@@ -76,17 +76,29 @@ def test_bad_quantized_data_is_refused():
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 5, 17, 70])
-def test_kernel_matches_its_reference(fmt, m):
+@pytest.mark.parametrize("k", [192, 96, 608])
+def test_kernel_matches_its_reference(fmt, m, k):
+    # N not a multiple of the tile; K / 32 = 6, 3 (odd: an unpaired last block), 19 (a partial scale group)
     torch.manual_seed(m)
-    n, k = 37, 192  # N not a multiple of the tile, to hit the edges
+    n = 37
     qw = QUANTIZERS[fmt](torch.randn(n, k))
     x = torch.randn(m, k) * 3
-    y = cpu_kernels().qlinear(x, qw.data, n, FORMAT_IDS[qw.fmt])
+    y = cpu_kernels().qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
     ref = ref_qlinear(x, qw)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
     # and the int8 activations cost little against the float product with the same weights
     dense = x @ qw.dequantize().t()
     assert (y - dense).norm() / dense.norm() < 0.02
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "int4"])
+def test_kernel_layout_round_trips(fmt):
+    qw = QUANTIZERS[fmt](torch.randn(5, 96))
+    packed = qw.kernel_layout()
+    assert packed.shape == qw.data.shape and not torch.equal(packed, qw.data)
+    back = QuantizedTensor.from_kernel_layout(packed, qw.fmt, qw.shape)
+    assert torch.equal(back.data, qw.data)
+    assert torch.equal(QuantizedLinear(qw).weight.data, qw.data)
 
 
 @needs_kernels
@@ -99,7 +111,7 @@ def test_prefill_sized_batches_take_the_dequantized_float_gemm(fmt):
     torch.manual_seed(0)
     n, k = 37, 192
     qw = QUANTIZERS[fmt](torch.randn(n, k))
-    assert torch.equal(cpu_kernels().dequantize(qw.data, n, k, FORMAT_IDS[qw.fmt]), qw.dequantize())
+    assert torch.equal(cpu_kernels().dequantize(qw.kernel_layout(), n, k, FORMAT_IDS[qw.fmt]), qw.dequantize())
     layer = QuantizedLinear(qw, torch.randn(n))
     big = torch.randn(DENSE_GEMM_MIN_TOKENS, k)
     assert torch.allclose(layer(big), big @ qw.dequantize().t() + layer.bias, atol=1e-5)

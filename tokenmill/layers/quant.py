@@ -68,6 +68,25 @@ class QuantizedTensor:
     def to(self, device) -> "QuantizedTensor":
         return QuantizedTensor(self.data.to(device), self.fmt, self.shape)
 
+    def kernel_layout(self) -> torch.Tensor:
+        """The same bytes as the kernels take them: each row's fp16 scales (then, for q4_1, its fp16
+        mins), then its quants, so that eight scales load at once (see csrc/cpu_kernels.cpp)."""
+        n, k = self.shape
+        blk = self.blocks()
+        cut = 4 if self.fmt == "q4_1" else 2
+        parts = [blk[..., 0:2], blk[..., 2:4]] if cut == 4 else [blk[..., 0:2]]
+        return torch.cat([p.reshape(n, -1) for p in [*parts, blk[..., cut:]]], 1).contiguous()
+
+    @classmethod
+    def from_kernel_layout(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "QuantizedTensor":
+        """Inverse of ``kernel_layout``."""
+        n, k = shape
+        nb = k // QK
+        cut = 4 if fmt == "q4_1" else 2
+        heads = [data[:, 2 * nb * i: 2 * nb * (i + 1)].reshape(n, nb, 2) for i in range(cut // 2)]
+        quants = data[:, cut * nb:].reshape(n, nb, BLOCK_BYTES[fmt] - cut)
+        return cls(torch.cat([*heads, quants], -1).reshape(n, -1).contiguous(), fmt, shape)
+
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 -> [...] float32 (little-endian fp16)."""
@@ -199,13 +218,13 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.fmt = weight.fmt
-        self.register_buffer("qweight", weight.data)
+        self.register_buffer("qweight", weight.kernel_layout())  # what the kernels read
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._dense: torch.Tensor | None = None
 
     @property
     def weight(self) -> QuantizedTensor:
-        return QuantizedTensor(self.qweight, self.fmt, (self.out_features, self.in_features))
+        return QuantizedTensor.from_kernel_layout(self.qweight, self.fmt, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = _ops() if x.device.type == "cpu" else None

@@ -94,6 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.ops = None
+        self._decode_stack: tuple | None = None  # decode_layers' arguments (see _fused_decode)
         self.requires_grad_(False)
 
     def use_fused_ops(self, ops) -> None:
@@ -104,6 +105,47 @@ class LlamaForCausalLM(nn.Module):
                 m.ops = ops
         for layer in self.layers:
             layer.self_attn.backend.ops = ops
+        self._decode_stack = None
+
+    def _decode_weights(self) -> tuple | None:
+        """The per-layer weights and formats ``ops.decode_layers`` takes, or None where the layers are
+        not all quantized (the one-call decode path runs the integer kernels only)."""
+        from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear
+
+        weights, fmts = [], []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if not all(isinstance(lin, QuantizedLinear) for lin in lins) or any(
+                    lin.bias is not None for lin in lins[1:]):
+                return None
+            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.empty(0)
+            weights += [layer.input_layernorm.weight, a.qkv_proj.qweight, bias, a.o_proj.qweight,
+                        layer.post_attention_layernorm.weight, m.gate_up_proj.qweight, m.down_proj.qweight]
+            fmts += [FORMAT_IDS[lin.fmt] for lin in lins]
+        return weights, fmts
+
+    def _fused_decode(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
+        """All decoder layers of a decode-only float32 step in one kernel call (``decode_layers``):
+        the same kernels as the layer-by-layer path, without ~20 Python-dispatched ops per layer.
+        None where it does not apply (prefill tokens, a quantized KV cache, float weights, or a batch
+        big enough for the quantized layers' float-GEMM path)."""
+        from tokenmill.layers.quant import DENSE_GEMM_MIN_TOKENS
+
+        ops = self.ops
+        if (ops is None or meta.prefills or meta.num_decodes != x.shape[0] or x.dtype != torch.float32
+                or x.shape[0] >= DENSE_GEMM_MIN_TOKENS or any(len(kv) != 2 for kv in kv_caches)):
+            return None
+        if self._decode_stack is None:
+            self._decode_stack = self._decode_weights() or ()
+        if not self._decode_stack:
+            return None
+        weights, fmts = self._decode_stack
+        cfg = self.cfg
+        return ops.decode_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                                 rope_tables[0], rope_tables[1], meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 self.norm.eps, cfg.head_dim ** -0.5)
 
     def forward(
         self,
@@ -117,8 +159,12 @@ class LlamaForCausalLM(nn.Module):
         rope_tables = self.rope.tables(positions)
         if self.ops is not None:
             rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope_tables, kv, meta)
+        fused = self._fused_decode(x, rope_tables, kv_caches, meta)
+        if fused is not None:
+            x = fused
+        else:
+            for layer, kv in zip(self.layers, kv_caches):
+                x = layer(x, rope_tables, kv, meta)
         # The output head is the largest GEMM: run it only where a token is sampled.
         x = self.norm(x[logits_indices])
         if self.head is not None:

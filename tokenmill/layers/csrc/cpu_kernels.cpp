@@ -1,12 +1,17 @@
 // tokenmill CPU kernels (x86-64 AVX2 + FMA + F16C), registered as torch.ops.tokenmill.*.
 //
-// Quantized linear layers keep GGUF's block formats byte for byte (32 weights per block, along K):
-//   Q8_0: { fp16 d; int8 q[32]; }                 34 bytes, w = d * q
-//   Q4_1: { fp16 d; fp16 m; uint8 nibbles[16]; }  20 bytes, w = d * q + m, q in [0, 15];
+// Quantized linear layers hold GGUF's block formats (32 weights per block, along K):
+//   Q8_0: fp16 d, int8 q[32]                      34 bytes, w = d * q
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles     20 bytes, w = d * q + m, q in [0, 15];
 //         weight j of the block is the low nibble of byte j, weight j + 16 its high nibble.
-// A weight matrix [N, K] is N rows of K / 32 blocks. Activations are quantized per token and per
-// block of 32 to int8 with one float scale (llama.cpp's Q8_0/Q8_1 activations), so every dot product
-// runs on integer multiply-adds (vpmaddubsw + vpmaddwd) and is scaled once per block.
+// The kernels take them in a kernel layout (quant.py's QuantizedTensor.kernel_layout(); the same
+// bytes, reordered within each row) so that eight block scales load in one instruction and two
+// blocks' nibbles in one 32-byte load:
+//   Q4_1 row: fp16 d[nb] | fp16 m[nb] | nibbles[nb][16]
+//   Q8_0 row: fp16 d[nb] | int8 q[nb][32]
+// Activations are quantized per token and per block of 32 to int8 with one float scale (llama.cpp's
+// Q8_0/Q8_1 activations), so every dot product runs on integer multiply-adds (vpmaddubsw +
+// vpmaddwd) and is scaled once per block.
 //
 // Built and loaded by tokenmill/layers/kernels.py; tokenmill/layers/quant.py holds the pure-torch
 // reference of every op here (the tests compare the two).
@@ -36,6 +41,30 @@ inline float h2f(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// 8 fp16 values at p as float lanes, lanes from n on zeroed. Reads 16 bytes even when n < 8: the
+// callers' scale arrays are followed by more of the same row (mins or quants), so the read stays in
+// bounds, and the mask turns whatever it finds there (possibly NaN patterns) into zeros.
+alignas(32) const int32_t kLaneMask[9][8] = {
+    {0, 0, 0, 0, 0, 0, 0, 0},         {-1, 0, 0, 0, 0, 0, 0, 0},        {-1, -1, 0, 0, 0, 0, 0, 0},
+    {-1, -1, -1, 0, 0, 0, 0, 0},      {-1, -1, -1, -1, 0, 0, 0, 0},     {-1, -1, -1, -1, -1, 0, 0, 0},
+    {-1, -1, -1, -1, -1, -1, 0, 0},   {-1, -1, -1, -1, -1, -1, -1, 0},  {-1, -1, -1, -1, -1, -1, -1, -1}};
+
+inline __m256 load_f16x8(const uint8_t* p, int n) {
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (n == 8) return v;
+  return _mm256_and_ps(v, _mm256_load_ps(reinterpret_cast<const float*>(kLaneMask[n])));
+}
+
+// lane permutations that broadcast a group's scale j to all lanes (single blocks) and scales
+// (j, j + 1) to lanes 0-3 and 4-7 (pairs of blocks, j even)
+alignas(32) const int32_t kOneIdx[8][8] = {
+    {0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7}};
+alignas(32) const int32_t kPairIdx[4][8] = {
+    {0, 0, 0, 0, 1, 1, 1, 1}, {2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5}, {6, 6, 6, 6, 7, 7, 7, 7}};
+
+inline __m256i load_idx(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -43,14 +72,20 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// ---- activations: float [M, K] -> int8 [M, K], scale [M, K/32], scale * sum(q) [M, K/32] ----------
+inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+// ---- activations: float [M, K] -> int8 [M, K], scale [M, ld], scale * sum(q) [M, ld] ---------------
+// paired: for each full pair of blocks (2p, 2p + 1) store x[0:16] of both, then x[16:32] of both, the
+// order in which one 32-byte load of the pair's nibbles unpacks (low nibbles, then high nibbles).
+// ld >= K / 32 is the row stride of d and s; the kernels pass a multiple of 8 with zeros past nb.
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s, int64_t ld, bool paired) {
   const int64_t nb = K / QK;
   at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + (i / nb) * K + (i % nb) * QK;
+      const int64_t row = i / nb, b = i % nb;
+      const float* src = x + row * K + b * QK;
       __m256 v[4];
       __m256 amax = _mm256_setzero_ps();
       for (int j = 0; j < 4; ++j) {
@@ -75,15 +110,26 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, fl
       __m256i p23 = _mm256_packs_epi32(iv[2], iv[3]);
       __m256i p = _mm256_packs_epi16(p01, p23);
       p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * QK), p);
-      d[i] = dd;
-      s[i] = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+      int8_t* dst = q + row * K + b * QK;
+      if (paired && (b % 2 == 1 || b + 1 < nb)) {
+        // block 2p: its halves go to [0:16] and [32:48] of the pair; block 2p + 1 to [16:32] and [48:64]
+        int8_t* pair = q + row * K + (b / 2) * 2 * QK + (b % 2) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(p));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + QK), _mm256_extracti128_si256(p, 1));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), p);
+      }
+      d[row * ld + b] = dd;
+      s[row * ld + b] = dd * static_cast<float>(_mm_cvtsi128_si32(s4));
+      if (b == nb - 1)  // zeros past nb: the GEMM reads scales 8 at a time
+        for (int64_t c = nb; c < ld; ++c) d[row * ld + c] = s[row * ld + c] = 0.0f;
     }
   });
 }
 
-// ---- integer dot products of one weight block with one activation block --------------------------
+// ---- integer dot products ------------------------------------------------------------------------
 
+// one block's nibbles in natural order: weights 0..15 in the low lane, 16..31 in the high lane
 inline __m256i unpack_q4(const uint8_t* nibbles) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
   const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
@@ -96,74 +142,96 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// ---- the GEMM: y[M, N] = x[M, K] . W[N, K]^T, weights in Q4_1 or Q8_0 blocks ------------------------
+// ---- the GEMM: y[M, N] = x[M, K] . W[N, K]^T, weights in the kernel layout --------------------------
+// A tile is RN weight rows x RM tokens. Per group of 8 blocks it loads each row's 8 scales (and mins)
+// at once and forms the 8 combined scales d_w * d_x per (row, token); per pair of blocks the int32
+// lanes hold block 2p in lanes 0-3 and 2p + 1 in lanes 4-7, scaled by a lane permutation of those.
+// The Q4_1 min term, sum_b m_b * d_x,b * sum(q_x,b), is a dot product of 8-lane vectors per group.
 
 template <bool Q4, int RN, int RM>
-inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
-                 const float* xs, int64_t K, float* y, int64_t N) {
+inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, int64_t K, const float* xd,
+                 const float* xs, int64_t ld, float* y, int64_t N) {
+  const __m256i nib_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t quants = (Q4 ? 4 : 2) * nb;  // byte offset of a row's quants
   __m256 acc[RN][RM];
-  float macc[RN][RM];
   for (int n = 0; n < RN; ++n)
-    for (int m = 0; m < RM; ++m) {
-      acc[n][m] = _mm256_setzero_ps();
-      macc[n][m] = 0.0f;
-    }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i w[RN];
-    __m256i wabs[RN];
-    float dw[RN];
-    float mw[RN];
+    for (int m = 0; m < RM; ++m) acc[n][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < nb; g += 8) {
+    const int gn = static_cast<int>(std::min<int64_t>(8, nb - g));
+    __m256 sc[RN][RM];
     for (int n = 0; n < RN; ++n) {
-      const uint8_t* blk = W + n * row_bytes + b * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
-      dw[n] = h2f(blk);
+      const uint8_t* row = W + n * row_bytes;
+      const __m256 dw = load_f16x8(row + 2 * g, gn);
+      for (int m = 0; m < RM; ++m) sc[n][m] = _mm256_mul_ps(dw, _mm256_loadu_ps(xd + m * ld + g));
       if constexpr (Q4) {
-        mw[n] = h2f(blk + 2);
-        w[n] = unpack_q4(blk + 4);
-      } else {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-        wabs[n] = _mm256_sign_epi8(raw, raw);  // |w| as unsigned bytes; the sign moves to x
-        w[n] = raw;
+        const __m256 mw = load_f16x8(row + 2 * nb + 2 * g, gn);
+        for (int m = 0; m < RM; ++m) acc[n][m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + m * ld + g), acc[n][m]);
       }
     }
-    for (int m = 0; m < RM; ++m) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * QK));
-      const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
-      for (int n = 0; n < RN; ++n) {
-        __m256i isum;
-        if constexpr (Q4) {
-          isum = dot_u8s8(w[n], xv);
-        } else {
-          isum = dot_u8s8(wabs[n], _mm256_sign_epi8(xv, w[n]));
+    int j = 0;
+    if constexpr (Q4) {
+      for (; j + 2 <= gn; j += 2) {
+        const int64_t b = g + j;
+        const __m256i idx = load_idx(kPairIdx[j / 2]);
+        for (int n = 0; n < RN; ++n) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W + n * row_bytes + quants + 16 * b));
+          const __m256i lo = _mm256_and_si256(raw, nib_mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib_mask);
+          for (int m = 0; m < RM; ++m) {
+            const int8_t* xp = xq + m * K + QK * b;
+            const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + QK));
+            // |products| <= 15 * 127 * 2 per int16 lane, so the two halves add without overflow
+            const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            acc[n][m] = _mm256_fmadd_ps(f, _mm256_permutevar8x32_ps(sc[n][m], idx), acc[n][m]);
+          }
         }
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), dx);
-        acc[n][m] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[n]), acc[n][m]);
-        if constexpr (Q4) macc[n][m] += mw[n] * xs[m * nb + b];
+      }
+    }
+    for (; j < gn; ++j) {  // Q8_0 blocks, and an odd last Q4_1 block (natural order)
+      const int64_t b = g + j;
+      const __m256i idx = load_idx(kOneIdx[j]);
+      for (int n = 0; n < RN; ++n) {
+        const uint8_t* row = W + n * row_bytes;
+        __m256i w, wabs;
+        if constexpr (Q4) {
+          w = unpack_q4(row + quants + 16 * b);
+        } else {
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + quants + QK * b));
+          wabs = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves to x
+        }
+        for (int m = 0; m < RM; ++m) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + QK * b));
+          const __m256i isum = Q4 ? dot_u8s8(w, xv) : dot_u8s8(wabs, _mm256_sign_epi8(xv, w));
+          acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_permutevar8x32_ps(sc[n][m], idx), acc[n][m]);
+        }
       }
     }
   }
   for (int n = 0; n < RN; ++n)
-    for (int m = 0; m < RM; ++m) y[m * N + n] = hsum(acc[n][m]) + (Q4 ? macc[n][m] : 0.0f);
+    for (int m = 0; m < RM; ++m) y[m * N + n] = hsum(acc[n][m]);
 }
 
 template <bool Q4, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
-                            const float* xs, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N) {
-  constexpr int RM = RN == 4 ? 2 : 4;
+                            const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N) {
+  constexpr int RM = RN == 4 ? 1 : 4;
   int64_t m = m0;
   for (; m + RM <= m1; m += RM)
-    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * N, N);
-  for (; m < m1; ++m) tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, xd + m * nb, xs + m * nb, K, y + m * N, N);
+    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N);
+  for (; m < m1; ++m) tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N);
 }
 
 template <bool Q4>
-void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t M,
-          float* y) {
+void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t ld,
+          int64_t M, float* y) {
   const int64_t nb = K / QK;
   const int64_t row_bytes = nb * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
   // Tokens in chunks whose int8 activations stay in L2 while every row of this thread passes over them.
   const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / std::max<int64_t>(K, 1));
-  constexpr int RN_BIG = 2;  // rows per tile when several tokens share it (2 rows x 4 tokens)
-  const int RN = M == 1 ? 4 : RN_BIG;
+  const int RN = M == 1 ? 4 : 2;  // one token: 4 rows per tile; several: 2 rows x 4 tokens
   const int64_t tiles = (N + RN - 1) / RN;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t mc = 0; mc < M; mc += chunk) {
@@ -174,13 +242,13 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
         const uint8_t* Wn = W + n * row_bytes;
         float* yn = y + n;
         if (rows == 4) {
-          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, mc, mc1, K, yn, N);
+          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N);
         } else if (rows == 2) {
-          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, mc, mc1, K, yn, N);
+          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N);
         } else {
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t m = mc; m < mc1; ++m)
-              tile<Q4, 1, 1>(Wn + r * row_bytes, row_bytes, nb, xq + m * K, xd + m * nb, xs + m * nb, K,
+              tile<Q4, 1, 1>(Wn + r * row_bytes, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld,
                              yn + r + m * N, N);
         }
       }
@@ -188,38 +256,44 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
   });
 }
 
-// fmt: 0 = Q8_0, 1 = Q4_1
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "tokenmill::qlinear runs on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "tokenmill::qlinear takes float32 activations");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "tokenmill::qlinear takes contiguous uint8 blocks");
-  TORCH_CHECK(fmt == 0 || fmt == 1, "tokenmill::qlinear: format must be 0 (Q8_0) or 1 (Q4_1)");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K % QK == 0, "tokenmill::qlinear: in_features must be a multiple of 32, got ", K);
+void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, const char* op) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(), "tokenmill::", op,
+              " takes contiguous uint8 blocks on the CPU (QuantizedTensor.kernel_layout())");
+  TORCH_CHECK(fmt == 0 || fmt == 1, "tokenmill::", op, ": format must be 0 (Q8_0) or 1 (Q4_1)");
+  TORCH_CHECK(K % QK == 0, "tokenmill::", op, ": in_features must be a multiple of 32, got ", K);
   const int64_t bytes = fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES;
-  TORCH_CHECK(w.numel() == n_out * (K / QK) * bytes, "tokenmill::qlinear: weight holds ", w.numel(),
+  TORCH_CHECK(w.numel() == n_out * (K / QK) * bytes, "tokenmill::", op, ": weight holds ", w.numel(),
               " bytes, expected ", n_out * (K / QK) * bytes, " for [", n_out, ", ", K, "]");
+}
+
+// fmt: 0 = Q8_0, 1 = Q4_1; w in the kernel layout
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt) {
+  TORCH_CHECK(x.device().is_cpu(), "tokenmill::qlinear runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "tokenmill::qlinear takes float32 activations");
+  const int64_t K = x.size(-1);
+  check_blocks(w, n_out, K, fmt, "qlinear");
   auto xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = n_out;
   auto y = at::empty({M, n_out}, x.options());
   if (M == 0) return y.view(out_shape);
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, ld = round8(nb);
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, nb}, x.options());
-  auto s = at::empty({M, nb}, x.options());
-  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  auto d = at::empty({M, ld}, x.options());
+  auto s = at::empty({M, ld}, x.options());
+  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
+                fmt == 1);
   if (fmt == 1)
-    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), M,
-               y.data_ptr<float>());
+    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
+               M, y.data_ptr<float>());
   else
-    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), M,
-                y.data_ptr<float>());
+    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
+                M, y.data_ptr<float>());
   return y.view(out_shape);
 }
 
-// Quantize activations only (for tests: the reference must round exactly like the kernel).
+// Quantize activations only, in natural order (for tests: the reference must round exactly like the kernel).
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % QK == 0,
               "tokenmill::quantize_activations takes float32 [M, K] with K a multiple of 32");
@@ -228,36 +302,36 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, nb}, x.options());
   auto s = at::empty({M, nb}, x.options());
-  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>());
+  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), nb,
+                false);
   return {q, d, s};
 }
 
-// Dequantize blocks to float32 [N, K]. Prefill-sized batches are compute-bound, and on AVX2 the float
-// GEMM (MKL) outruns the integer kernel there; unpacking the weights per call costs far less than the
-// GEMM it enables. Exactly the values of quant.py's dequantize_rows.
+// Dequantize blocks (kernel layout) to float32 [N, K]. Prefill-sized batches are compute-bound, and on
+// AVX2 the float GEMM (MKL) outruns the integer kernel there; unpacking the weights per call costs far
+// less than the GEMM it enables. Exactly the values of quant.py's dequantize_rows.
 at::Tensor dequantize(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
-              "tokenmill::dequantize takes contiguous uint8 blocks on the CPU");
-  TORCH_CHECK((fmt == 0 || fmt == 1) && K % QK == 0, "tokenmill::dequantize: bad format or in_features");
-  const int64_t nb = K / QK, bytes = fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES;
-  TORCH_CHECK(w.numel() == n_out * nb * bytes, "tokenmill::dequantize: weight size does not match [", n_out,
-              ", ", K, "]");
+  check_blocks(w, n_out, K, fmt, "dequantize");
+  const int64_t nb = K / QK, row_bytes = nb * (fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES);
   auto y = at::empty({n_out, K}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n_out * nb, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const uint8_t* blk = wp + i * bytes;
+      const int64_t r = i / nb, b = i % nb;
+      const uint8_t* row = wp + r * row_bytes;
       float* out = yp + i * QK;
-      const float d = h2f(blk);
+      const float d = h2f(row + 2 * b);
       if (fmt == 1) {
-        const float m = h2f(blk + 2);
+        const float m = h2f(row + 2 * nb + 2 * b);
+        const uint8_t* nib = row + 4 * nb + 16 * b;
         for (int j = 0; j < 16; ++j) {
-          out[j] = d * static_cast<float>(blk[4 + j] & 0x0F) + m;
-          out[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+          out[j] = d * static_cast<float>(nib[j] & 0x0F) + m;
+          out[j + 16] = d * static_cast<float>(nib[j] >> 4) + m;
         }
       } else {
-        for (int j = 0; j < QK; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+        const int8_t* q = reinterpret_cast<const int8_t*>(row + 2 * nb + QK * b);
+        for (int j = 0; j < QK; ++j) out[j] = d * static_cast<float>(q[j]);
       }
     }
   });
@@ -417,6 +491,70 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---- every decoder layer of a decode-only step, in one call -----------------------------------------
+// At one token per sequence a decoder layer is about twenty small ops, and dispatching them from
+// Python costs more than their arithmetic. This runs all layers of such a step with the kernels
+// above, called directly, in the order of the Python path (models/llama.py with fused ops on), so
+// the two give the same bits.
+// weights: 7 per layer: input norm, qkv (kernel layout), qkv bias (empty: none), o_proj,
+// post-attention norm, gate_up, down_proj; fmts: 4 per layer (qkv, o_proj, gate_up, down_proj).
+int64_t rows_of(const at::Tensor& w, int64_t K, int64_t fmt) {
+  TORCH_CHECK(K % QK == 0, "tokenmill::decode_layers: in_features must be a multiple of 32");
+  return w.numel() / ((K / QK) * (fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES));
+}
+
+at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps, double scale) {
+  check_f32_rows(x_in, "decode_layers");
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * L && static_cast<int64_t>(fmts.size()) == 4 * L &&
+                  static_cast<int64_t>(v_caches.size()) == L,
+              "tokenmill::decode_layers: need 7 weights, 4 formats and a K and V cache per layer");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == x_in.size(0),
+              "tokenmill::decode_layers: slot_mapping must be contiguous int64 [T]");
+  const int64_t T = x_in.size(0), hidden = x_in.size(1), H = n_heads, HKV = n_kv_heads, D = head_dim;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::Tensor x = x_in;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + 7 * l;
+    const int64_t* f = fmts.data() + 4 * l;
+    const at::Tensor& kc = k_caches[l];
+    const at::Tensor& vc = v_caches[l];
+    TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+                    vc.is_contiguous() && kc.dim() == 4 && kc.size(2) == HKV && kc.size(3) == D,
+                "tokenmill::decode_layers: caches must be contiguous float32 [blocks, block_size, Hkv, D]");
+    const int64_t num_slots = kc.size(0) * kc.size(1), row = HKV * D;
+    // attention
+    at::Tensor h = rms_norm(x, w[0], eps);
+    at::Tensor qkv = qlinear(h, w[1], rows_of(w[1], hidden, f[0]), f[0]);
+    if (w[2].numel() > 0) qkv = qkv + w[2];
+    TORCH_CHECK(qkv.size(1) == (H + 2 * HKV) * D, "tokenmill::decode_layers: qkv width does not match the heads");
+    rope_(qkv, cos, sin, H + HKV, D);
+    const float* qp = qkv.data_ptr<float>();
+    float* kp = kc.data_ptr<float>();
+    float* vp = vc.data_ptr<float>();
+    const int64_t ld = qkv.stride(0);
+    for (int64_t t = 0; t < T; ++t) {  // the new token's K and V into its cache slot
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "tokenmill::decode_layers: slot ", slots[t],
+                  " outside the cache");
+      std::memcpy(kp + slots[t] * row, qp + t * ld + H * D, row * sizeof(float));
+      std::memcpy(vp + slots[t] * row, qp + t * ld + (H + HKV) * D, row * sizeof(float));
+    }
+    at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
+    at::Tensor o = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale).view({T, H * D});
+    x = x + qlinear(o, w[3], rows_of(w[3], H * D, f[1]), f[1]);
+    // MLP
+    h = rms_norm(x, w[4], eps);
+    at::Tensor gu = qlinear(h, w[5], rows_of(w[5], hidden, f[2]), f[2]);
+    at::Tensor act = silu_mul(gu);
+    x = x + qlinear(act, w[6], rows_of(w[6], act.size(1), f[3]), f[3]);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
@@ -428,6 +566,9 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("dequantize(Tensor w, int n_out, int k, int fmt) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] weights, int[] fmts, Tensor[] k_caches, Tensor[] v_caches, Tensor cos, "
+        "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int n_heads, int n_kv_heads, "
+        "int head_dim, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -438,4 +579,5 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("dequantize", &dequantize);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_layers", &decode_layers);
 }
