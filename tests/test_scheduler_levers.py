@@ -194,3 +194,21 @@ def test_bad_policy_values_are_rejected():
         SchedulerConfig(preemption_mode="disk")
     with pytest.raises(ValueError, match="starvation_timeout"):
         SchedulerConfig(starvation_timeout=0)
+
+
+def test_chunked_prefill_is_on_by_default_with_its_own_budget():
+    import argparse
+
+    from tokenmill.cli import add_engine_args, engine_kwargs
+    from tokenmill.config import CHUNKED_BUDGET, UNCHUNKED_BUDGET, EngineConfig
+
+    assert SchedulerConfig().enable_chunked_prefill
+    assert SchedulerConfig().max_num_batched_tokens == CHUNKED_BUDGET
+    assert SchedulerConfig(enable_chunked_prefill=False).max_num_batched_tokens == UNCHUNKED_BUDGET
+    assert SchedulerConfig(max_num_batched_tokens=64).max_num_batched_tokens == 64
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for argv, chunked, budget in (([], True, CHUNKED_BUDGET), (["--no-enable-chunked-prefill"], False, UNCHUNKED_BUDGET),
+                                  (["--max-num-batched-tokens", "1024"], True, 1024)):
+        sched = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(argv))).scheduler
+        assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens) == (chunked, budget)

@@ -29,10 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "per token and head: about 3.8x the tokens of a float32 cache in the same memory")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, default 16)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step, prefill and decode together (default 8192)")
-    g.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="split long prompts across steps under the token budget")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, prefill and decode together (default 256 with chunked "
+                        "prefill, 8192 without; raise it on a GPU)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps under the token budget, running decodes first "
+                        "(default on; --no-enable-chunked-prefill runs each prompt whole)")
     g.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV blocks of a prompt prefix already computed (shared system prompts)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

@@ -67,7 +67,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     row = {"workload": a.workload, "requests": len(reqs), "input_tokens": n_in, "output_tokens": n_out,
            "elapsed_s": elapsed, "request_throughput": len(reqs) / elapsed, "output_throughput": n_out / elapsed,
            "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.dtype).removeprefix("torch."),
-           "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens}
+           "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens}
     row["preemptions"] = llm.engine.num_preemptions - preempted
     print(f"{len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s: "
           f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} output tok/s, "

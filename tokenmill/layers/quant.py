@@ -14,9 +14,11 @@ in one of two GGUF block layouts (32 weights along K per block):
 without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0.
 
 The fast path is ``torch.ops.tokenmill.qlinear`` (``csrc/cpu_kernels.cpp``): activations are
-quantized per token and per block of 32 to int8 and multiplied on integer units. The functions
-here are its exact torch emulation (``ref_qlinear``, used by the tests) and the dequantize path
-that serves devices without the kernels (``dequantize``).
+quantized per token and per block of 32 to int8 and multiplied on integer units. It reads the
+same bytes reordered within each row (``QuantizedTensor.kernel_layout()``: the row's scales, then
+its quants), which is how ``QuantizedLinear`` stores them. The functions here are its exact torch
+emulation (``ref_qlinear``, used by the tests) and the dequantize path that serves devices
+without the kernels (``dequantize``).
 """
 
 from __future__ import annotations

@@ -338,6 +338,25 @@ at::Tensor dequantize(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt
   return y;
 }
 
+// e^x on eight lanes: x = n ln2 + r, e^r from Cephes' expf polynomial (about 1 ulp), times 2^n.
+// Inputs are clamped to [-87.3, 88.3], where the result is a normal float.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: r stays exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 // ---- fused elementwise ops of a decoder layer ----------------------------------------------------
 // At decode sizes every torch op costs several microseconds of dispatch, more than its arithmetic;
 // these replace the RMSNorm, RoPE and SwiGLU chains (7, ~20 and 3 ops) with one call each.
@@ -410,10 +429,31 @@ at::Tensor silu_mul(const at::Tensor& gu) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* g = gp + t * ld;
       const float* u = g + I;
-      for (int64_t i = 0; i < I; ++i) yp[t * I + i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      float* y = yp + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
   });
   return y;
+}
+
+// sum of a[i] * b[i], eight lanes at a time (the scalar loop does not vectorize: FP sums do not reassociate)
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float r = hsum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
 }
 
 // ---- decode attention over the paged KV cache, reading the blocks in place ---------------------------
@@ -457,19 +497,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t blk = tp[b * W + j / BS];
         TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_decode_attention: block id ", blk, " out of range");
         const float* kj = kp + ((blk * BS + j % BS) * HKV + hk) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.0f;
-          for (int64_t e = 0; e < D; ++e) dot += qh[g * D + e] * kj[e];
-          scores[g * L + j] = dot * sc;
-        }
+        for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot_f32(qh + g * D, kj, D) * sc;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::vector<float> denom(G);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * L;
         const float mx = *std::max_element(sg, sg + L);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < L; ++j) {
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(mx)));
+          _mm256_storeu_ps(sg + j, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum(vsum);
+        for (; j < L; ++j) {
           sg[j] = std::exp(sg[j] - mx);
           sum += sg[j];
         }
