@@ -248,6 +248,7 @@ class CheckingRunner:
         self.states: dict[str, dict] = {}
         self.ever_new: set[str] = set()
         self.hits = 0  # steps that started a request past a cached prefix
+        self.swaps_in = 0
 
     def _slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
@@ -258,8 +259,20 @@ class CheckingRunner:
         for rid in out.finished_request_ids:
             assert rid in self.states, f"finished {rid!r} was never sent to the runner"
             del self.states[rid]
+        swapped_out = {rid for rid, _ in out.swap_out}
         for rid in out.preempted_request_ids:
-            self.states[rid]["computed"] = 0
+            if rid not in swapped_out:
+                self.states[rid]["computed"] = 0
+        for rid, blocks in out.swap_out:  # host copy of the KV of its computed positions
+            st_ = self.states[rid]
+            assert len(blocks) == -(-st_["computed"] // self.bs) and st_["computed"] > 0
+            st_["host"] = [self.slots[self._slot(blocks, p)] for p in range(st_["computed"])]
+        for rid, blocks in out.swap_in:  # back into fresh blocks, which nobody else holds
+            st_ = self.states[rid]
+            assert all(pool.ref_cnt[b] == 1 for b in blocks) and len(blocks) == -(-st_["computed"] // self.bs)
+            for p, kv in enumerate(st_.pop("host")):
+                self.slots[self._slot(blocks, p)] = kv
+            self.swaps_in += 1
         for nr in out.new_requests:
             assert nr.request_id not in self.ever_new, f"{nr.request_id!r} sent as new twice"
             self.ever_new.add(nr.request_id)
@@ -314,11 +327,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         prefix_caching=st.booleans(),
         policy=st.sampled_from(["fcfs", "priority"]),
+        preemption=st.sampled_from(["recompute", "swap"]),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, prefix_caching, policy):
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, prefix_caching, policy, preemption):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunked, policy=policy), self.kv,
-                               MAX_MODEL_LEN)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunked, policy=policy,
+                                               preemption_mode=preemption), self.kv, MAX_MODEL_LEN)
         self.runner = CheckingRunner(self.sched)
         self.next_id = 0
         self.all: dict[str, Request] = {}
@@ -404,7 +418,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(kv.block_tables.get(r.request_id, ())) * kv.block_size >= r.num_computed_tokens
             assert r.num_computed_tokens < r.num_tokens
         for r in sched.waiting:
-            assert r.num_computed_tokens == 0 and r.request_id not in kv.block_tables
+            assert r.request_id not in kv.block_tables
+            assert r.num_computed_tokens == 0 or r.request_id in sched.swapped  # swapped keep theirs (host)
+        assert sched.swapped <= set(waiting)
 
     @invariant()
     def tokens_are_the_models(self):
@@ -444,6 +460,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stats["examples"] += 1
         self.stats["with_preemption"] += self.preempted
         self.stats["with_prefix_hits"] += self.runner.hits > 0
+        self.stats["with_swap_in"] += self.runner.swaps_in > 0
 
 
 def test_random_operations_keep_the_cache_consistent():
@@ -455,6 +472,7 @@ def test_random_operations_keep_the_cache_consistent():
     assert stats["examples"] > 0
     assert stats["with_preemption"] > 0, "no example preempted anything: the pool is too big to test it"
     assert stats["with_prefix_hits"] > 0, "no example hit the prefix cache: the prompts share too little"
+    assert stats["with_swap_in"] > 0, "no example swapped a preempted request back in"
 
 
 def test_preemption_happens_and_everything_is_freed():

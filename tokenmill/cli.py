@@ -41,8 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fcfs: arrival order (default); priority: lower request priority runs first, "
                         "ties by arrival, and the lowest-priority running request is preempted first")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="what a preempted request loses: recompute drops its KV (default); swap copies it to "
-                        "host memory, which only pays on a GPU")
+                   help="what a preempted request loses: recompute drops its KV and computes it again "
+                        "(default); swap (GPU only) copies its KV blocks to host memory and back when it resumes")
     g.add_argument("--starvation-timeout", type=float, default=30.0,
                    help="priority policy: seconds a request may wait before it is promoted ahead of all "
                         "others (default 30)")

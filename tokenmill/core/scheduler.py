@@ -10,8 +10,11 @@ steps; its first token is sampled only once the whole prompt is computed. With p
 caching an admitted request starts at the end of its longest cached prefix.
 
 When the KV pool is full, the running request the policy ranks last (fcfs: the most
-recently admitted) is preempted by recompute: its blocks are freed, its tokens kept, and
-it goes back to the waiting queue with ``num_computed_tokens = 0``.
+recently admitted) is preempted. By recompute (default): its blocks are freed, its tokens
+kept, and it goes back to the waiting queue with ``num_computed_tokens = 0``. By swap: the
+runner copies its KV blocks to host memory before the step (``swap_out``), its blocks are
+freed and it keeps ``num_computed_tokens``; when it is admitted again it gets fresh blocks,
+which the runner fills back from host memory before that step (``swap_in``).
 
 No tensors here: the simulator and the CPU tests drive this exact code.
 """
@@ -54,6 +57,11 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
+    # preemption by swap, done by the runner before the step's forward pass, in this order:
+    # (request id, its blocks in position order) to copy to host memory, then
+    # (request id, the fresh blocks) to copy its saved KV back into
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -86,6 +94,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
         self.clock = time.perf_counter  # tests substitute a fake clock
 
     # ---- admission -------------------------------------------------------------------
@@ -133,6 +142,7 @@ class Scheduler:
         req.status = status
         req.timings.finished = self.clock()
         self.kv_cache.free(req.request_id)
+        self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
@@ -174,9 +184,12 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            # A waiting request has no KV (new or preempted); its cached prefix needs no compute.
-            hits = kv.get_computed_blocks(req.request_id, req.all_token_ids) if kv.enable_prefix_caching else []
-            num_cached = len(hits) * kv.block_size
+            swapped = req.request_id in self.swapped
+            if swapped:  # its KV comes back from host memory
+                hits, num_cached = [], req.num_computed_tokens
+            else:  # a new or recompute-preempted request has no KV; its cached prefix needs no compute
+                hits = kv.get_computed_blocks(req.request_id, req.all_token_ids) if kv.enable_prefix_caching else []
+                num_cached = len(hits) * kv.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -185,8 +198,11 @@ class Scheduler:
             if kv.allocate_slots(req.request_id, num_cached + num_new, hits) is None:
                 break
             self.waiting.pop()
+            if swapped:
+                self.swapped.discard(req.request_id)
+                out.swap_in.append((req.request_id, kv.block_tables[req.request_id][:kv.blocks_needed(num_cached)]))
             req.num_computed_tokens = num_cached
-            if kv.enable_prefix_caching:
+            if kv.enable_prefix_caching and not swapped:
                 kv.stats.requests += 1
                 kv.stats.queries += req.num_tokens
                 kv.stats.hits += num_cached
@@ -228,8 +244,14 @@ class Scheduler:
             out.num_prefill_tokens += num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.kv_cache.free(req.request_id)
-        req.num_computed_tokens = 0
+        kv = self.kv_cache
+        if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
+            blocks = kv.block_tables[req.request_id][:kv.blocks_needed(req.num_computed_tokens)]
+            out.swap_out.append((req.request_id, list(blocks)))
+            self.swapped.add(req.request_id)
+        else:
+            req.num_computed_tokens = 0
+        kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

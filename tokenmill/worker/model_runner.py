@@ -62,6 +62,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.states: dict[str, _RequestState] = {}
+        self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
 
     # ---- request state ---------------------------------------------------------------
 
@@ -73,12 +74,32 @@ class ModelRunner:
         self.states[r.request_id] = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p,
                                                   r.eos_token_ids, gen, stop_ids)
 
+    # ---- preemption by swap ----------------------------------------------------------
+    # Before the forward pass: blocks freed by a swap-out may be written by this very step.
+
+    def _swap_out(self, request_id: str, blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self.swapped[request_id] = [tuple(t.index_select(0, idx).to("cpu") for t in layer)
+                                    for layer in self.kv_caches]
+
+    def _swap_in(self, request_id: str, blocks: list[int]) -> None:
+        saved = self.swapped.pop(request_id)
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for layer, host in zip(self.kv_caches, saved):
+            for t, h in zip(layer, host):
+                t.index_copy_(0, idx, h.to(t.device))
+
     # ---- one step --------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
+            self.swapped.pop(rid, None)
+        for rid, blocks in sched.swap_out:
+            self._swap_out(rid, blocks)
+        for rid, blocks in sched.swap_in:
+            self._swap_in(rid, blocks)
         for r in sched.new_requests:
             self._add(r)
         if not sched.scheduled:
