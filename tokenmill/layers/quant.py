@@ -73,11 +73,10 @@ class QuantizedTensor:
     def kernel_layout(self) -> torch.Tensor:
         """The same bytes as the kernels take them: each row's fp16 scales (then, for q4_1, its fp16
         mins), then its quants, so that eight scales load at once (see csrc/cpu_kernels.cpp)."""
-        n, k = self.shape
         blk = self.blocks()
-        cut = 4 if self.fmt == "q4_1" else 2
-        parts = [blk[..., 0:2], blk[..., 2:4]] if cut == 4 else [blk[..., 0:2]]
-        return torch.cat([p.reshape(n, -1) for p in [*parts, blk[..., cut:]]], 1).contiguous()
+        heads = [blk[..., 0:2], blk[..., 2:4]] if self.fmt == "q4_1" else [blk[..., 0:2]]  # d (and m)
+        quants = blk[..., 2 * len(heads):]
+        return torch.cat([p.reshape(self.shape[0], -1) for p in [*heads, quants]], 1).contiguous()
 
     @classmethod
     def from_kernel_layout(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "QuantizedTensor":
