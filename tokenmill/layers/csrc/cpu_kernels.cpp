@@ -224,6 +224,10 @@ inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, con
   for (; m < m1; ++m) tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N);
 }
 
+// Software prefetch distance for GEMVs (a few tokens): the weights stream from DRAM once per step
+// and, without it, one Zen 1 core waits on memory instead of overlapping it with the multiply-adds
+// (single-thread Q8_0 head 5.9 -> 4.4 ms, a streaming Q4_1 matrix 6.3 -> 4.9 ms; 4-16 KiB all alike).
+constexpr int64_t PF_DIST = 8192;
 template <bool Q4>
 void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t ld,
           int64_t M, float* y) {
@@ -233,6 +237,7 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
   const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / std::max<int64_t>(K, 1));
   const int RN = M == 1 ? 4 : 2;  // one token: 4 rows per tile; several: 2 rows x 4 tokens
   const int64_t tiles = (N + RN - 1) / RN;
+  const bool prefetch = M < 8;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t mc = 0; mc < M; mc += chunk) {
       const int64_t mc1 = std::min(M, mc + chunk);
@@ -240,6 +245,10 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
         const int64_t n = t * RN;
         const int64_t rows = std::min<int64_t>(RN, N - n);
         const uint8_t* Wn = W + n * row_bytes;
+        if (prefetch) {
+          const uint8_t* ahead = Wn + PF_DIST;  // past the end is harmless: prefetches never fault
+          for (int64_t o = 0; o < RN * row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+        }
         float* yn = y + n;
         if (rows == 4) {
           rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N);
