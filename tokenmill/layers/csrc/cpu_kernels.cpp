@@ -142,6 +142,29 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
+// A full group of 8 Q4_1 blocks (4 pairs) against pair-interleaved int8 activations: the integer sums of
+// the 8 blocks, as floats in the lane order kGroupIdx gives the scales. Each pair's vpmaddubsw sums are
+// int16 with |v| <= 2 * 2 * 15 * 127 = 7620 (block 2p in the low 128 bits, 2p + 1 in the high); two
+// rounds of vphaddw add neighbours four at a time (|v| <= 30480, no overflow) and leave each block's
+// sums in two int16 lanes, which one vpmaddwd adds. This replaces four convert-permute-FMA rounds.
+alignas(32) const int32_t kGroupIdx[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+inline __m256 group_q4(const uint8_t* nibbles, const int8_t* x) {
+  const __m256i nib_mask = _mm256_set1_epi8(0x0F);
+  __m256i s16[4];
+  for (int p = 0; p < 4; ++p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + 32 * p));
+    const __m256i lo = _mm256_and_si256(raw, nib_mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib_mask);
+    const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p));
+    const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64 * p + QK));
+    s16[p] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+  }
+  // lanes after the two rounds, per 128 bits: low [b0 b0 b2 b2 b4 b4 b6 b6], high [b1 b1 b3 b3 ... b7 b7]
+  const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(s16[0], s16[1]), _mm256_hadd_epi16(s16[2], s16[3]));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+}
+
 // ---- the GEMM: y[M, N] = x[M, K] . W[N, K]^T, weights in the kernel layout --------------------------
 // A tile is RN weight rows x RM tokens. Per group of 8 blocks it loads each row's 8 scales (and mins)
 // at once and forms the 8 combined scales d_w * d_x per (row, token); per pair of blocks the int32
@@ -171,6 +194,15 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     }
     int j = 0;
     if constexpr (Q4) {
+      if (gn == 8) {  // a full group: reduce the 8 blocks' int16 sums first, scale once (see group_q4)
+        for (int n = 0; n < RN; ++n) {
+          const uint8_t* nib = W + n * row_bytes + quants + 16 * g;
+          for (int m = 0; m < RM; ++m)
+            acc[n][m] = _mm256_fmadd_ps(group_q4(nib, xq + m * K + QK * g),
+                                        _mm256_permutevar8x32_ps(sc[n][m], load_idx(kGroupIdx)), acc[n][m]);
+        }
+        j = 8;
+      }
       for (; j + 2 <= gn; j += 2) {
         const int64_t b = g + j;
         const __m256i idx = load_idx(kPairIdx[j / 2]);
@@ -239,6 +271,9 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
   const int64_t tiles = (N + RN - 1) / RN;
   const bool prefetch = M < 8;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    if (prefetch)  // the first PF_DIST bytes of this thread's rows, which the loop below does not prefetch
+      for (int64_t o = 0; o < std::min<int64_t>(PF_DIST, (t1 - t0) * RN * row_bytes); o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(W + t0 * RN * row_bytes + o), _MM_HINT_T0);
     for (int64_t mc = 0; mc < M; mc += chunk) {
       const int64_t mc1 = std::min(M, mc + chunk);
       for (int64_t t = t0; t < t1; ++t) {
