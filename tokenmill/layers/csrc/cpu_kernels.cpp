@@ -171,9 +171,11 @@ inline __m256 group_q4(const uint8_t* nibbles, const int8_t* x) {
 // lanes hold block 2p in lanes 0-3 and 2p + 1 in lanes 4-7, scaled by a lane permutation of those.
 // The Q4_1 min term, sum_b m_b * d_x,b * sum(q_x,b), is a dot product of 8-lane vectors per group.
 
+// Accumulate: y += x . W^T (a residual add with no extra pass or tensor; the sum is the same float
+// add as y + (x . W^T) done afterwards).
 template <bool Q4, int RN, int RM>
 inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, int64_t K, const float* xd,
-                 const float* xs, int64_t ld, float* y, int64_t N) {
+                 const float* xs, int64_t ld, float* y, int64_t N, bool accumulate) {
   const __m256i nib_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quants = (Q4 ? 4 : 2) * nb;  // byte offset of a row's quants
@@ -243,17 +245,19 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     }
   }
   for (int n = 0; n < RN; ++n)
-    for (int m = 0; m < RM; ++m) y[m * N + n] = hsum(acc[n][m]);
+    for (int m = 0; m < RM; ++m) y[m * N + n] = accumulate ? y[m * N + n] + hsum(acc[n][m]) : hsum(acc[n][m]);
 }
 
 template <bool Q4, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
-                            const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N) {
+                            const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N,
+                            bool accumulate) {
   constexpr int RM = RN == 4 ? 1 : 4;
   int64_t m = m0;
   for (; m + RM <= m1; m += RM)
-    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N);
-  for (; m < m1; ++m) tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N);
+    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate);
+  for (; m < m1; ++m)
+    tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate);
 }
 
 // Software prefetch distance for GEMVs (a few tokens): the weights stream from DRAM once per step
@@ -262,7 +266,7 @@ inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, con
 constexpr int64_t PF_DIST = 8192;
 template <bool Q4>
 void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t ld,
-          int64_t M, float* y) {
+          int64_t M, float* y, bool accumulate) {
   const int64_t nb = K / QK;
   const int64_t row_bytes = nb * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
   // Tokens in chunks whose int8 activations stay in L2 while every row of this thread passes over them.
@@ -286,14 +290,14 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
         }
         float* yn = y + n;
         if (rows == 4) {
-          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N);
+          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate);
         } else if (rows == 2) {
-          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N);
+          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate);
         } else {
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t m = mc; m < mc1; ++m)
               tile<Q4, 1, 1>(Wn + r * row_bytes, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld,
-                             yn + r + m * N, N);
+                             yn + r + m * N, N, accumulate);
         }
       }
     }
@@ -310,6 +314,35 @@ void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, co
               " bytes, expected ", n_out * (K / QK) * bytes, " for [", n_out, ", ", K, "]");
 }
 
+// The int8 activations of one GEMM input: scratch that decode_layers reuses across its GEMMs.
+struct ActivationBuffers {
+  at::Tensor q, d, s;
+  void fit(int64_t M, int64_t K, int64_t ld, const at::TensorOptions& opt) {
+    if (!q.defined() || q.numel() < M * K) q = at::empty({M * K}, opt.dtype(at::kChar));
+    if (!d.defined() || d.numel() < M * ld) {
+      d = at::empty({M * ld}, opt.dtype(at::kFloat));
+      s = at::empty({M * ld}, opt.dtype(at::kFloat));
+    }
+  }
+};
+
+// y[M, n_out] (=, or += with accumulate) x[M, K] . W^T; x contiguous float32 rows
+void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt, at::Tensor& y, bool accumulate,
+                  ActivationBuffers& buf) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return;
+  const int64_t nb = K / QK, ld = round8(nb);
+  buf.fit(M, K, ld, x.options());
+  int8_t* q = buf.q.data_ptr<int8_t>();
+  float* d = buf.d.data_ptr<float>();
+  float* s = buf.s.data_ptr<float>();
+  quantize_rows(x.data_ptr<float>(), M, K, q, d, s, ld, fmt == 1);
+  if (fmt == 1)
+    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
+  else
+    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
+}
+
 // fmt: 0 = Q8_0, 1 = Q4_1; w in the kernel layout
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt) {
   TORCH_CHECK(x.device().is_cpu(), "tokenmill::qlinear runs on the CPU");
@@ -317,23 +350,11 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int6
   const int64_t K = x.size(-1);
   check_blocks(w, n_out, K, fmt, "qlinear");
   auto xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = n_out;
-  auto y = at::empty({M, n_out}, x.options());
-  if (M == 0) return y.view(out_shape);
-  const int64_t nb = K / QK, ld = round8(nb);
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, ld}, x.options());
-  auto s = at::empty({M, ld}, x.options());
-  quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
-                fmt == 1);
-  if (fmt == 1)
-    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
-               M, y.data_ptr<float>());
-  else
-    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), ld,
-                M, y.data_ptr<float>());
+  auto y = at::empty({xc.size(0), n_out}, x.options());
+  ActivationBuffers buf;
+  qlinear_into(xc, w, n_out, fmt, y, false, buf);
   return y.view(out_shape);
 }
 
@@ -604,7 +625,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
               "tokenmill::decode_layers: slot_mapping must be contiguous int64 [T]");
   const int64_t T = x_in.size(0), hidden = x_in.size(1), H = n_heads, HKV = n_kv_heads, D = head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  at::Tensor x = x_in;
+  at::Tensor x = x_in.clone();  // the residual stream, updated in place by the o_proj and down_proj GEMMs
+  ActivationBuffers buf;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + 7 * l;
     const int64_t* f = fmts.data() + 4 * l;
@@ -616,7 +638,10 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
     const int64_t num_slots = kc.size(0) * kc.size(1), row = HKV * D;
     // attention
     at::Tensor h = rms_norm(x, w[0], eps);
-    at::Tensor qkv = qlinear(h, w[1], rows_of(w[1], hidden, f[0]), f[0]);
+    const int64_t n_qkv = rows_of(w[1], hidden, f[0]);
+    check_blocks(w[1], n_qkv, hidden, f[0], "decode_layers");
+    at::Tensor qkv = at::empty({T, n_qkv}, x.options());
+    qlinear_into(h, w[1], n_qkv, f[0], qkv, false, buf);
     if (w[2].numel() > 0) qkv = qkv + w[2];
     TORCH_CHECK(qkv.size(1) == (H + 2 * HKV) * D, "tokenmill::decode_layers: qkv width does not match the heads");
     rope_(qkv, cos, sin, H + HKV, D);
@@ -632,12 +657,17 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
     }
     at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     at::Tensor o = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale).view({T, H * D});
-    x = x + qlinear(o, w[3], rows_of(w[3], H * D, f[1]), f[1]);
+    check_blocks(w[3], hidden, H * D, f[1], "decode_layers");
+    qlinear_into(o, w[3], hidden, f[1], x, true, buf);
     // MLP
     h = rms_norm(x, w[4], eps);
-    at::Tensor gu = qlinear(h, w[5], rows_of(w[5], hidden, f[2]), f[2]);
+    const int64_t n_gu = rows_of(w[5], hidden, f[2]);
+    check_blocks(w[5], n_gu, hidden, f[2], "decode_layers");
+    at::Tensor gu = at::empty({T, n_gu}, x.options());
+    qlinear_into(h, w[5], n_gu, f[2], gu, false, buf);
     at::Tensor act = silu_mul(gu);
-    x = x + qlinear(act, w[6], rows_of(w[6], act.size(1), f[3]), f[3]);
+    check_blocks(w[6], hidden, act.size(1), f[3], "decode_layers");
+    qlinear_into(act, w[6], hidden, f[3], x, true, buf);
   }
   return x;
 }
