@@ -627,6 +627,17 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   at::Tensor x = x_in.clone();  // the residual stream, updated in place by the o_proj and down_proj GEMMs
   ActivationBuffers buf;
+  auto project = [&](const at::Tensor& in, const at::Tensor& w, int64_t fmt) {  // in . W^T, a new tensor
+    const int64_t n_out = rows_of(w, in.size(1), fmt);
+    check_blocks(w, n_out, in.size(1), fmt, "decode_layers");
+    at::Tensor out = at::empty({T, n_out}, x.options());
+    qlinear_into(in, w, n_out, fmt, out, false, buf);
+    return out;
+  };
+  auto add_projection = [&](const at::Tensor& in, const at::Tensor& w, int64_t fmt) {  // x += in . W^T
+    check_blocks(w, hidden, in.size(1), fmt, "decode_layers");
+    qlinear_into(in, w, hidden, fmt, x, true, buf);
+  };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + 7 * l;
     const int64_t* f = fmts.data() + 4 * l;
@@ -638,10 +649,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
     const int64_t num_slots = kc.size(0) * kc.size(1), row = HKV * D;
     // attention
     at::Tensor h = rms_norm(x, w[0], eps);
-    const int64_t n_qkv = rows_of(w[1], hidden, f[0]);
-    check_blocks(w[1], n_qkv, hidden, f[0], "decode_layers");
-    at::Tensor qkv = at::empty({T, n_qkv}, x.options());
-    qlinear_into(h, w[1], n_qkv, f[0], qkv, false, buf);
+    at::Tensor qkv = project(h, w[1], f[0]);
     if (w[2].numel() > 0) qkv = qkv + w[2];
     TORCH_CHECK(qkv.size(1) == (H + 2 * HKV) * D, "tokenmill::decode_layers: qkv width does not match the heads");
     rope_(qkv, cos, sin, H + HKV, D);
@@ -657,17 +665,11 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
     }
     at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
     at::Tensor o = paged_decode_attention(q, kc, vc, block_tables, seq_lens, scale).view({T, H * D});
-    check_blocks(w[3], hidden, H * D, f[1], "decode_layers");
-    qlinear_into(o, w[3], hidden, f[1], x, true, buf);
+    add_projection(o, w[3], f[1]);
     // MLP
     h = rms_norm(x, w[4], eps);
-    const int64_t n_gu = rows_of(w[5], hidden, f[2]);
-    check_blocks(w[5], n_gu, hidden, f[2], "decode_layers");
-    at::Tensor gu = at::empty({T, n_gu}, x.options());
-    qlinear_into(h, w[5], n_gu, f[2], gu, false, buf);
-    at::Tensor act = silu_mul(gu);
-    check_blocks(w[6], hidden, act.size(1), f[3], "decode_layers");
-    qlinear_into(act, w[6], hidden, f[3], x, true, buf);
+    at::Tensor act = silu_mul(project(h, w[5], f[2]));
+    add_projection(act, w[6], f[3]);
   }
   return x;
 }
