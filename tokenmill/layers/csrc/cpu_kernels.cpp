@@ -173,9 +173,13 @@ inline __m256 group_q4(const uint8_t* nibbles, const int8_t* x) {
 
 // Accumulate: y += x . W^T (a residual add with no extra pass or tensor; the sum is the same float
 // add as y + (x . W^T) done afterwards).
+// pf (GEMVs only, else null): software prefetch of the bytes PF_DIST ahead of this tile, pf_lines cache
+// lines per group of blocks, spread over the tile so that a long row's lines are not asked for in one
+// burst (more than the core's miss buffers hold: those are dropped or stall the loads behind them).
 template <bool Q4, int RN, int RM>
 inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, int64_t K, const float* xd,
-                 const float* xs, int64_t ld, float* y, int64_t N, bool accumulate) {
+                 const float* xs, int64_t ld, float* y, int64_t N, bool accumulate, const uint8_t* pf = nullptr,
+                 int64_t pf_lines = 0) {
   const __m256i nib_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quants = (Q4 ? 4 : 2) * nb;  // byte offset of a row's quants
@@ -184,6 +188,8 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     for (int m = 0; m < RM; ++m) acc[n][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < nb; g += 8) {
     const int gn = static_cast<int>(std::min<int64_t>(8, nb - g));
+    if (pf)  // past the end of W is harmless: prefetches never fault
+      for (int64_t i = 0; i < pf_lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + (g / 8 * pf_lines + i) * 64), _MM_HINT_T0);
     __m256 sc[RN][RM];
     for (int n = 0; n < RN; ++n) {
       const uint8_t* row = W + n * row_bytes;
@@ -251,13 +257,15 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
 template <bool Q4, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
                             const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N,
-                            bool accumulate) {
+                            bool accumulate, const uint8_t* pf, int64_t pf_lines) {
   constexpr int RM = RN == 4 ? 1 : 4;
   int64_t m = m0;
-  for (; m + RM <= m1; m += RM)
-    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate);
-  for (; m < m1; ++m)
-    tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate);
+  for (; m + RM <= m1; m += RM, pf = nullptr)  // the first tile over these rows prefetches
+    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
+                     pf_lines);
+  for (; m < m1; ++m, pf = nullptr)
+    tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
+                    pf_lines);
 }
 
 // Software prefetch distance for GEMVs (a few tokens): the weights stream from DRAM once per step
@@ -274,6 +282,8 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
   const int RN = M == 1 ? 4 : 2;  // one token: 4 rows per tile; several: 2 rows x 4 tokens
   const int64_t tiles = (N + RN - 1) / RN;
   const bool prefetch = M < 8;
+  const int64_t groups = (nb + 7) / 8;
+  const int64_t pf_lines = (RN * row_bytes + 64 * groups - 1) / (64 * groups);  // a tile's lines, per group
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     if (prefetch)  // the first PF_DIST bytes of this thread's rows, which the loop below does not prefetch
       for (int64_t o = 0; o < std::min<int64_t>(PF_DIST, (t1 - t0) * RN * row_bytes); o += 64)
@@ -284,15 +294,12 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float*
         const int64_t n = t * RN;
         const int64_t rows = std::min<int64_t>(RN, N - n);
         const uint8_t* Wn = W + n * row_bytes;
-        if (prefetch) {
-          const uint8_t* ahead = Wn + PF_DIST;  // past the end is harmless: prefetches never fault
-          for (int64_t o = 0; o < RN * row_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
-        }
+        const uint8_t* pf = prefetch && mc == 0 ? Wn + PF_DIST : nullptr;
         float* yn = y + n;
         if (rows == 4) {
-          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate);
+          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
         } else if (rows == 2) {
-          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate);
+          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
         } else {
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t m = mc; m < mc1; ++m)
