@@ -14,7 +14,8 @@ in one of two GGUF block layouts (32 weights along K per block):
 without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0.
 
 The fast path is ``torch.ops.tokenmill.qlinear`` (``csrc/cpu_kernels.cpp``): activations are
-quantized per token and per block of 32 to int8 and multiplied on integer units. It reads the
+quantized per token and per block of 32, to int8 against q4_1 weights and to int16 against q8_0
+weights (so int8 weights act as weight-only quantization), and multiplied on integer units. It reads the
 same bytes reordered within each row (``QuantizedTensor.kernel_layout()``: the row's scales, then
 its quants), which is how ``QuantizedLinear`` stores them. The functions here are its exact torch
 emulation (``ref_qlinear``, used by the tests) and the dequantize path that serves devices
@@ -175,21 +176,24 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 # ---- the kernel's arithmetic, in torch --------------------------------------------------------
 
-def ref_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] -> (q int8 [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel does."""
+def ref_quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] -> (q [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel does:
+    q int8 (bits 8, against q4_1 weights) or int16 (bits 16, against q8_0 weights)."""
     m, k = x.shape
+    qmax = 2 ** (bits - 1) - 1
     g = x.float().reshape(m, k // QK, QK)
-    d = g.abs().amax(-1) / 127
+    d = g.abs().amax(-1) / qmax
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(g * inv[..., None]).clamp(-127, 127)  # round half to even, like the kernel
-    return q.to(torch.int8).reshape(m, k), d, d * q.sum(-1)
+    q = torch.round(g * inv[..., None]).clamp(-qmax, qmax)  # round half to even, like the kernel
+    return q.to(torch.int8 if bits == 8 else torch.int16).reshape(m, k), d, d * q.sum(-1)
 
 
 def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
-    """y = x W^T with int8 activations, as ``torch.ops.tokenmill.qlinear`` computes it (up to fp32 summation order)."""
+    """y = x W^T with int8 (q4_1) or int16 (q8_0) activations, as ``torch.ops.tokenmill.qlinear`` computes
+    it (up to fp32 summation order)."""
     n, k = w.shape
     lead = x.shape[:-1]
-    q, dx, sx = ref_quantize_activations(x.reshape(-1, k))
+    q, dx, sx = ref_quantize_activations(x.reshape(-1, k), 16 if w.fmt == "q8_0" else 8)
     blk = w.blocks()
     dw = _f16(blk[..., 0:2])  # [N, nb]
     if w.fmt == "q8_0":
@@ -197,8 +201,8 @@ def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     else:
         nib = blk[..., 4:]
         qw = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
-    # integer dot per (token, row, block): exact in float32 (|sum| < 2^24)
-    isum = torch.einsum("mbk,nbk->mnb", q.float().view(-1, k // QK, QK), qw)
+    # integer dot per (token, row, block): exact in float64 (|sum| < 2^27), as in the kernel's int32 lanes
+    isum = torch.einsum("mbk,nbk->mnb", q.double().view(-1, k // QK, QK), qw.double()).float()
     y = ((isum * dx[:, None, :]) * dw[None]).sum(-1)
     if w.fmt == "q4_1":
         y = y + sx @ _f16(blk[..., 2:4]).t()

@@ -9,9 +9,11 @@
 // blocks' nibbles in one 32-byte load:
 //   Q4_1 row: fp16 d[nb] | fp16 m[nb] | nibbles[nb][16]
 //   Q8_0 row: fp16 d[nb] | int8 q[nb][32]
-// Activations are quantized per token and per block of 32 to int8 with one float scale (llama.cpp's
-// Q8_0/Q8_1 activations), so every dot product runs on integer multiply-adds (vpmaddubsw +
-// vpmaddwd) and is scaled once per block.
+// Activations are quantized per token and per block of 32 with one float scale, so every dot product
+// runs on integer multiply-adds and is scaled once per block: to int8 against Q4_1 weights (llama.cpp's
+// Q8_1 activations; vpmaddubsw + vpmaddwd), to int16 against Q8_0 weights (vpmovsxbw + vpmaddwd, as
+// many instructions per block as int8 with its sign tricks, and 256 times finer: int8 weights then
+// behave as weight-only quantization, their activations all but exact).
 //
 // Built and loaded by tokenmill/layers/kernels.py; tokenmill/layers/quant.py holds the pure-torch
 // reference of every op here (the tests compare the two).
@@ -27,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -127,6 +130,42 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, fl
   });
 }
 
+// int16 activations for Q8_0 weights: q = round(x / d), d = amax / 32767 per block, natural order.
+void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* d, int64_t ld) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / nb, b = i % nb;
+      const float* src = x + row * K + b * QK;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float dd = _mm_cvtss_f32(m4) / 32767.0f;
+      const __m256 vid = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+      int16_t* dst = q + row * K + b * QK;
+      for (int j = 0; j < 2; ++j) {  // packs interleaves 128-bit lanes; permute4x64 restores the order
+        const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j], vid)),
+                                             _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * j + 1], vid)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * j), _mm256_permute4x64_epi64(p, 0xD8));
+      }
+      d[row * ld + b] = dd;
+      if (b == nb - 1)
+        for (int64_t c = nb; c < ld; ++c) d[row * ld + c] = 0.0f;
+    }
+  });
+}
+
+// the activation type of each weight format: int8 for Q4_1, int16 for Q8_0
+template <bool Q4>
+using XQ = std::conditional_t<Q4, int8_t, int16_t>;
+
 // ---- integer dot products ------------------------------------------------------------------------
 
 // one block's nibbles in natural order: weights 0..15 in the low lane, 16..31 in the high lane
@@ -165,6 +204,24 @@ inline __m256 group_q4(const uint8_t* nibbles, const int8_t* x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1)));
 }
 
+// A full group of 8 Q8_0 blocks against int16 activations: the 8 blocks' integer sums (|v| <= 32 * 127 *
+// 32767 < 2^31) as floats in natural order. Six vphaddd and one cross-lane add reduce the 8 vectors of
+// int32 partial sums, instead of a convert-permute-FMA round per block.
+inline __m256 group_q8(const uint8_t* wq, const int16_t* x) {
+  __m256i s[8];
+  for (int b = 0; b < 8; ++b) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + QK * b)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + QK * b + 16)));
+    s[b] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * b))),
+                            _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * b + 16))));
+  }
+  // per 128 bits after two rounds: a = [b0 b1 b2 b3] (low half of each block, then high), c = [b4 .. b7]
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+  return _mm256_cvtepi32_ps(sum);
+}
+
 // ---- the GEMM: y[M, N] = x[M, K] . W[N, K]^T, weights in the kernel layout --------------------------
 // A tile is RN weight rows x RM tokens. Per group of 8 blocks it loads each row's 8 scales (and mins)
 // at once and forms the 8 combined scales d_w * d_x per (row, token); per pair of blocks the int32
@@ -177,11 +234,11 @@ inline __m256 group_q4(const uint8_t* nibbles, const int8_t* x) {
 // lines per group of blocks, spread over the tile so that a long row's lines are not asked for in one
 // burst (more than the core's miss buffers hold: those are dropped or stall the loads behind them).
 template <bool Q4, int RN, int RM>
-inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, int64_t K, const float* xd,
+inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const XQ<Q4>* xq, int64_t K, const float* xd,
                  const float* xs, int64_t ld, float* y, int64_t N, bool accumulate, const uint8_t* pf = nullptr,
                  int64_t pf_lines = 0) {
-  const __m256i nib_mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i nib_mask = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t quants = (Q4 ? 4 : 2) * nb;  // byte offset of a row's quants
   __m256 acc[RN][RM];
   for (int n = 0; n < RN; ++n)
@@ -190,6 +247,33 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     const int gn = static_cast<int>(std::min<int64_t>(8, nb - g));
     if (pf)  // past the end of W is harmless: prefetches never fault
       for (int64_t i = 0; i < pf_lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + (g / 8 * pf_lines + i) * 64), _MM_HINT_T0);
+    if constexpr (Q4) {
+      if (gn == 8) {  // a full group: reduce the 8 blocks' int16 sums first, scale once (see group_q4)
+        // Scales are formed row by row here, not for all rows up front: with every row's scales live the
+        // compiler ran out of the 16 ymm registers and spilled inside the group reduction.
+        for (int n = 0; n < RN; ++n) {
+          const uint8_t* row = W + n * row_bytes;
+          const __m256 dw = load_f16x8(row + 2 * g, 8);
+          const __m256 mw = load_f16x8(row + 2 * nb + 2 * g, 8);
+          for (int m = 0; m < RM; ++m) {
+            const __m256 sc = _mm256_permutevar8x32_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xd + m * ld + g)),
+                                                       load_idx(kGroupIdx));
+            acc[n][m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + m * ld + g), acc[n][m]);
+            acc[n][m] = _mm256_fmadd_ps(group_q4(row + quants + 16 * g, xq + m * K + QK * g), sc, acc[n][m]);
+          }
+        }
+        continue;
+      }
+    } else if (gn == 8) {  // the same for Q8_0 (see group_q8)
+      for (int n = 0; n < RN; ++n) {
+        const uint8_t* row = W + n * row_bytes;
+        const __m256 dw = load_f16x8(row + 2 * g, 8);
+        for (int m = 0; m < RM; ++m)
+          acc[n][m] = _mm256_fmadd_ps(group_q8(row + quants + QK * g, xq + m * K + QK * g),
+                                      _mm256_mul_ps(dw, _mm256_loadu_ps(xd + m * ld + g)), acc[n][m]);
+      }
+      continue;
+    }
     __m256 sc[RN][RM];
     for (int n = 0; n < RN; ++n) {
       const uint8_t* row = W + n * row_bytes;
@@ -202,15 +286,6 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
     }
     int j = 0;
     if constexpr (Q4) {
-      if (gn == 8) {  // a full group: reduce the 8 blocks' int16 sums first, scale once (see group_q4)
-        for (int n = 0; n < RN; ++n) {
-          const uint8_t* nib = W + n * row_bytes + quants + 16 * g;
-          for (int m = 0; m < RM; ++m)
-            acc[n][m] = _mm256_fmadd_ps(group_q4(nib, xq + m * K + QK * g),
-                                        _mm256_permutevar8x32_ps(sc[n][m], load_idx(kGroupIdx)), acc[n][m]);
-        }
-        j = 8;
-      }
       for (; j + 2 <= gn; j += 2) {
         const int64_t b = g + j;
         const __m256i idx = load_idx(kPairIdx[j / 2]);
@@ -235,17 +310,24 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
       const __m256i idx = load_idx(kOneIdx[j]);
       for (int n = 0; n < RN; ++n) {
         const uint8_t* row = W + n * row_bytes;
-        __m256i w, wabs;
         if constexpr (Q4) {
-          w = unpack_q4(row + quants + 16 * b);
-        } else {
-          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + quants + QK * b));
-          wabs = _mm256_sign_epi8(w, w);  // |w| as unsigned bytes; the sign moves to x
-        }
-        for (int m = 0; m < RM; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + QK * b));
-          const __m256i isum = Q4 ? dot_u8s8(w, xv) : dot_u8s8(wabs, _mm256_sign_epi8(xv, w));
-          acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_permutevar8x32_ps(sc[n][m], idx), acc[n][m]);
+          const __m256i w = unpack_q4(row + quants + 16 * b);
+          for (int m = 0; m < RM; ++m) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + QK * b));
+            acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w, xv)),
+                                        _mm256_permutevar8x32_ps(sc[n][m], idx), acc[n][m]);
+          }
+        } else {  // int8 weights widened to int16 against int16 activations: |lane| <= 4 * 127 * 32767 < 2^24
+          const uint8_t* wq = row + quants + QK * b;
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16)));
+          for (int m = 0; m < RM; ++m) {
+            const int16_t* xp = xq + m * K + QK * b;
+            const __m256i isum =
+                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                                 _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 16))));
+            acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_permutevar8x32_ps(sc[n][m], idx), acc[n][m]);
+          }
         }
       }
     }
@@ -255,7 +337,7 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* 
 }
 
 template <bool Q4, int RN>
-inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
+inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const XQ<Q4>* xq, const float* xd,
                             const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N,
                             bool accumulate, const uint8_t* pf, int64_t pf_lines) {
   constexpr int RM = RN == 4 ? 1 : 4;
@@ -273,12 +355,12 @@ inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, con
 // (single-thread Q8_0 head 5.9 -> 4.4 ms, a streaming Q4_1 matrix 6.3 -> 4.9 ms; 4-16 KiB all alike).
 constexpr int64_t PF_DIST = 8192;
 template <bool Q4>
-void gemm(const uint8_t* W, int64_t N, int64_t K, const int8_t* xq, const float* xd, const float* xs, int64_t ld,
+void gemm(const uint8_t* W, int64_t N, int64_t K, const XQ<Q4>* xq, const float* xd, const float* xs, int64_t ld,
           int64_t M, float* y, bool accumulate) {
   const int64_t nb = K / QK;
   const int64_t row_bytes = nb * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
-  // Tokens in chunks whose int8 activations stay in L2 while every row of this thread passes over them.
-  const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / std::max<int64_t>(K, 1));
+  // Tokens in chunks whose quantized activations stay in L2 while every row of this thread passes over them.
+  const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / std::max<int64_t>(K * sizeof(XQ<Q4>), 1));
   const int RN = M == 1 ? 4 : 2;  // one token: 4 rows per tile; several: 2 rows x 4 tokens
   const int64_t tiles = (N + RN - 1) / RN;
   const bool prefetch = M < 8;
@@ -321,11 +403,11 @@ void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, co
               " bytes, expected ", n_out * (K / QK) * bytes, " for [", n_out, ", ", K, "]");
 }
 
-// The int8 activations of one GEMM input: scratch that decode_layers reuses across its GEMMs.
+// The quantized activations of one GEMM input: scratch that decode_layers reuses across its GEMMs.
 struct ActivationBuffers {
-  at::Tensor q, d, s;
+  at::Tensor q, d, s;  // q: raw bytes, int8 or int16 values
   void fit(int64_t M, int64_t K, int64_t ld, const at::TensorOptions& opt) {
-    if (!q.defined() || q.numel() < M * K) q = at::empty({M * K}, opt.dtype(at::kChar));
+    if (!q.defined() || q.numel() < 2 * M * K) q = at::empty({2 * M * K}, opt.dtype(at::kByte));
     if (!d.defined() || d.numel() < M * ld) {
       d = at::empty({M * ld}, opt.dtype(at::kFloat));
       s = at::empty({M * ld}, opt.dtype(at::kFloat));
@@ -340,14 +422,18 @@ void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64
   if (M == 0) return;
   const int64_t nb = K / QK, ld = round8(nb);
   buf.fit(M, K, ld, x.options());
-  int8_t* q = buf.q.data_ptr<int8_t>();
+  uint8_t* q = buf.q.data_ptr<uint8_t>();
   float* d = buf.d.data_ptr<float>();
   float* s = buf.s.data_ptr<float>();
-  quantize_rows(x.data_ptr<float>(), M, K, q, d, s, ld, fmt == 1);
-  if (fmt == 1)
-    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
-  else
-    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
+  if (fmt == 1) {
+    quantize_rows(x.data_ptr<float>(), M, K, reinterpret_cast<int8_t*>(q), d, s, ld, true);
+    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, reinterpret_cast<int8_t*>(q), d, s, ld, M, y.data_ptr<float>(),
+               accumulate);
+  } else {
+    quantize_rows16(x.data_ptr<float>(), M, K, reinterpret_cast<int16_t*>(q), d, ld);
+    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, reinterpret_cast<int16_t*>(q), d, d, ld, M,  // no mins: xs unused
+                y.data_ptr<float>(), accumulate);
+  }
 }
 
 // fmt: 0 = Q8_0, 1 = Q4_1; w in the kernel layout
@@ -366,13 +452,20 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int6
 }
 
 // Quantize activations only, in natural order (for tests: the reference must round exactly like the kernel).
-std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
+// bits 8: (q int8, d, d * sum(q)), as for Q4_1 weights; bits 16: (q int16, d), as for Q8_0 weights.
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t bits) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % QK == 0,
               "tokenmill::quantize_activations takes float32 [M, K] with K a multiple of 32");
+  TORCH_CHECK(bits == 8 || bits == 16, "tokenmill::quantize_activations: bits must be 8 or 16, got ", bits);
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), nb = K / QK;
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto d = at::empty({M, nb}, x.options());
+  if (bits == 16) {
+    auto q = at::empty({M, K}, x.options().dtype(at::kShort));
+    quantize_rows16(xc.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), nb);
+    return {q, d};
+  }
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto s = at::empty({M, nb}, x.options());
   quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), nb,
                 false);
@@ -685,7 +778,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList weights, at::Int
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("qlinear(Tensor x, Tensor w, int n_out, int fmt) -> Tensor");
-  m.def("quantize_activations(Tensor x) -> Tensor[]");
+  m.def("quantize_activations(Tensor x, int bits=8) -> Tensor[]");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int n_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
