@@ -13,6 +13,11 @@ Decode ceiling (tok/s) = bandwidth / bytes of weights one step reads; prefill ce
 
     python benchmarks/cpu_regimes.py --quantization gguf none                 # tokenmill only
     python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR       # + llama-bench, llama-batched-bench
+    python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR --decode-rounds 8
+
+--decode-rounds N then alternates the two engines' single-stream decode N more times (tokenmill 128
+tokens, then llama-bench tg128 with one repetition) and prints each round's ratio and their median: on
+a shared machine whose speed drifts within minutes, the paired ratio is the figure to quote.
 
 DIR holds llama.cpp's llama-bench and llama-batched-bench (a native build); they run on the same GGUF file,
 with the same thread count, after tokenmill in the same process run.
@@ -121,6 +126,25 @@ def run_tokenmill(quantization: str, vocab_hi: int = 20000) -> dict:
     return res
 
 
+def paired_decode(bin_dir: Path, gguf: str, threads: int, quantization: str, rounds: int) -> list[tuple[float, float]]:
+    """(tokenmill, llama.cpp) single-stream decode tok/s, alternated round by round."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model="smollm2-135m-instruct", quantization=quantization)
+    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    llm.generate([[700]], sp, use_tqdm=False)  # warm up
+    pairs = []
+    for i in range(rounds):
+        m = llm.generate([[700 + i]], sp, use_tqdm=False)[0].metrics[0]
+        ours = 127 / (m.token_times[-1] - m.token_times[0])
+        r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0", "-n", "128",
+                            "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+        pairs.append((ours, json.loads(r.stdout)[0]["avg_ts"]))
+        print(f"round {i + 1}: tokenmill {pairs[-1][0]:.1f} tok/s, llama.cpp {pairs[-1][1]:.1f} tok/s, "
+              f"ratio {pairs[-1][0] / pairs[-1][1]:.2f}x", flush=True)
+    return pairs
+
+
 def run_llama(bin_dir: Path, gguf: str, threads: int) -> dict:
     out = {}
     r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128",
@@ -142,6 +166,8 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["gguf"], help="tokenmill modes to run (default gguf)")
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-bench and llama-batched-bench")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--decode-rounds", type=int, default=0,
+                    help="with --llama-bin: alternate single-stream decode of both engines this many more times")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -168,8 +194,19 @@ def main() -> None:
         print(f"| {name} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / dec_floor:.0%} of {dec_floor:.0f} "
               f"| {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / pre_floor:.0%} of {pre_floor:.0f} "
               f"| {r['batched_total_tok_s']:.1f} |")
+    result = {"bandwidth_gbs": bw, **peaks, "rows": rows}
+    if args.llama_bin and args.decode_rounds:
+        from tokenmill.models.registry import resolve_model
+
+        print(f"\npaired single-stream decode, {args.quantization[0]} vs llama.cpp tg128:")
+        pairs = paired_decode(args.llama_bin, str(resolve_model("smollm2-135m-instruct").path), args.threads,
+                              args.quantization[0], args.decode_rounds)
+        ratios = [a / b for a, b in pairs]
+        print(f"median ratio {statistics.median(ratios):.2f}x (tokenmill median "
+              f"{statistics.median(a for a, _ in pairs):.1f}, llama.cpp median {statistics.median(b for _, b in pairs):.1f})")
+        result["paired_decode"] = {"pairs": pairs, "median_ratio": statistics.median(ratios)}
     if args.json:
-        Path(args.json).write_text(json.dumps({"bandwidth_gbs": bw, **peaks, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

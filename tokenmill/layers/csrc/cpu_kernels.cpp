@@ -247,10 +247,11 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const XQ<Q4>* 
     const int gn = static_cast<int>(std::min<int64_t>(8, nb - g));
     if (pf)  // past the end of W is harmless: prefetches never fault
       for (int64_t i = 0; i < pf_lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + (g / 8 * pf_lines + i) * 64), _MM_HINT_T0);
-    if constexpr (Q4) {
+    if constexpr (Q4 && RM == 1) {
       if (gn == 8) {  // a full group: reduce the 8 blocks' int16 sums first, scale once (see group_q4)
-        // Scales are formed row by row here, not for all rows up front: with every row's scales live the
-        // compiler ran out of the 16 ymm registers and spilled inside the group reduction.
+        // GEMV tiles form the scales row by row, not for all rows up front: with every row's scales live
+        // the compiler ran out of the 16 ymm registers and spilled inside the group reduction (-15% time).
+        // Multi-token tiles measured faster with the scales up front (below).
         for (int n = 0; n < RN; ++n) {
           const uint8_t* row = W + n * row_bytes;
           const __m256 dw = load_f16x8(row + 2 * g, 8);
@@ -264,15 +265,17 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const XQ<Q4>* 
         }
         continue;
       }
-    } else if (gn == 8) {  // the same for Q8_0 (see group_q8)
-      for (int n = 0; n < RN; ++n) {
-        const uint8_t* row = W + n * row_bytes;
-        const __m256 dw = load_f16x8(row + 2 * g, 8);
-        for (int m = 0; m < RM; ++m)
-          acc[n][m] = _mm256_fmadd_ps(group_q8(row + quants + QK * g, xq + m * K + QK * g),
-                                      _mm256_mul_ps(dw, _mm256_loadu_ps(xd + m * ld + g)), acc[n][m]);
+    }
+    if constexpr (!Q4 && RM == 1) {
+      if (gn == 8) {  // the same for Q8_0 GEMVs (see group_q8)
+        for (int n = 0; n < RN; ++n) {
+          const uint8_t* row = W + n * row_bytes;
+          const __m256 dw = load_f16x8(row + 2 * g, 8);
+          acc[n][0] = _mm256_fmadd_ps(group_q8(row + quants + QK * g, xq + QK * g),
+                                      _mm256_mul_ps(dw, _mm256_loadu_ps(xd + g)), acc[n][0]);
+        }
+        continue;
       }
-      continue;
     }
     __m256 sc[RN][RM];
     for (int n = 0; n < RN; ++n) {
@@ -286,6 +289,15 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const XQ<Q4>* 
     }
     int j = 0;
     if constexpr (Q4) {
+      if (gn == 8) {  // multi-token tiles: the full group's reduction with the scales formed above
+        for (int n = 0; n < RN; ++n) {
+          const uint8_t* nib = W + n * row_bytes + quants + 16 * g;
+          for (int m = 0; m < RM; ++m)
+            acc[n][m] = _mm256_fmadd_ps(group_q4(nib, xq + m * K + QK * g),
+                                        _mm256_permutevar8x32_ps(sc[n][m], load_idx(kGroupIdx)), acc[n][m]);
+        }
+        j = 8;
+      }
       for (; j + 2 <= gn; j += 2) {
         const int64_t b = g + j;
         const __m256i idx = load_idx(kPairIdx[j / 2]);
