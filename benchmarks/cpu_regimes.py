@@ -13,11 +13,12 @@ Decode ceiling (tok/s) = bandwidth / bytes of weights one step reads; prefill ce
 
     python benchmarks/cpu_regimes.py --quantization gguf none                 # tokenmill only
     python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR       # + llama-bench, llama-batched-bench
-    python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR --decode-rounds 8
+    python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR --paired-rounds 8
 
---decode-rounds N then alternates the two engines' single-stream decode N more times (tokenmill 128
-tokens, then llama-bench tg128 with one repetition) and prints each round's ratio and their median: on
-a shared machine whose speed drifts within minutes, the paired ratio is the figure to quote.
+--paired-rounds N then alternates the two engines N more times on decode and on prefill (tokenmill
+128 tokens, llama-bench tg128; tokenmill one 512-token prompt, llama-bench pp512; one repetition
+each) and prints each round's ratios and their medians: on a shared machine whose speed drifts
+within minutes, the paired ratios are the figures to quote.
 
 DIR holds llama.cpp's llama-bench and llama-batched-bench (a native build); they run on the same GGUF file,
 with the same thread count, after tokenmill in the same process run.
@@ -126,23 +127,30 @@ def run_tokenmill(quantization: str, vocab_hi: int = 20000) -> dict:
     return res
 
 
-def paired_decode(bin_dir: Path, gguf: str, threads: int, quantization: str, rounds: int) -> list[tuple[float, float]]:
-    """(tokenmill, llama.cpp) single-stream decode tok/s, alternated round by round."""
+def paired_rounds(bin_dir: Path, gguf: str, threads: int, quantization: str, rounds: int) -> dict[str, list]:
+    """(tokenmill, llama.cpp) tok/s for decode (tg128) and prefill (pp512), alternated round by round."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model="smollm2-135m-instruct", quantization=quantization)
-    sp = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    llm.generate([[700]], sp, use_tqdm=False)  # warm up
-    pairs = []
-    for i in range(rounds):
-        m = llm.generate([[700 + i]], sp, use_tqdm=False)[0].metrics[0]
-        ours = 127 / (m.token_times[-1] - m.token_times[0])
-        r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0", "-n", "128",
+    llm = LLM(model="smollm2-135m-instruct", quantization=quantization, max_num_batched_tokens=2048)
+    greedy = dict(temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    llm.generate([[700]], SamplingParams(max_tokens=8, **greedy), use_tqdm=False)  # warm up
+
+    def llama(p, n):
+        r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", str(p), "-n", str(n),
                             "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
-        pairs.append((ours, json.loads(r.stdout)[0]["avg_ts"]))
-        print(f"round {i + 1}: tokenmill {pairs[-1][0]:.1f} tok/s, llama.cpp {pairs[-1][1]:.1f} tok/s, "
-              f"ratio {pairs[-1][0] / pairs[-1][1]:.2f}x", flush=True)
-    return pairs
+        return json.loads(r.stdout)[0]["avg_ts"]
+
+    out = {"decode": [], "prefill": []}
+    for i in range(rounds):
+        m = llm.generate([[700 + i]], SamplingParams(max_tokens=128, **greedy), use_tqdm=False)[0].metrics[0]
+        out["decode"].append((127 / (m.token_times[-1] - m.token_times[0]), llama(0, 128)))
+        prompt = torch.randint(100, 20000, (512,), generator=g).tolist()
+        m = llm.generate([prompt], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0].metrics[0]
+        out["prefill"].append((512 / m.ttft, llama(512, 0)))
+        print(f"round {i + 1}: " + ", ".join(f"{k} tokenmill {v[-1][0]:.1f} / llama.cpp {v[-1][1]:.1f} tok/s "
+                                            f"= {v[-1][0] / v[-1][1]:.2f}x" for k, v in out.items()), flush=True)
+    return out
 
 
 def run_llama(bin_dir: Path, gguf: str, threads: int) -> dict:
@@ -166,8 +174,8 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["gguf"], help="tokenmill modes to run (default gguf)")
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-bench and llama-batched-bench")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--decode-rounds", type=int, default=0,
-                    help="with --llama-bin: alternate single-stream decode of both engines this many more times")
+    ap.add_argument("--paired-rounds", type=int, default=0,
+                    help="with --llama-bin: alternate both engines' decode and prefill this many more times")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -195,16 +203,18 @@ def main() -> None:
               f"| {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / pre_floor:.0%} of {pre_floor:.0f} "
               f"| {r['batched_total_tok_s']:.1f} |")
     result = {"bandwidth_gbs": bw, **peaks, "rows": rows}
-    if args.llama_bin and args.decode_rounds:
+    if args.llama_bin and args.paired_rounds:
         from tokenmill.models.registry import resolve_model
 
-        print(f"\npaired single-stream decode, {args.quantization[0]} vs llama.cpp tg128:")
-        pairs = paired_decode(args.llama_bin, str(resolve_model("smollm2-135m-instruct").path), args.threads,
-                              args.quantization[0], args.decode_rounds)
-        ratios = [a / b for a, b in pairs]
-        print(f"median ratio {statistics.median(ratios):.2f}x (tokenmill median "
-              f"{statistics.median(a for a, _ in pairs):.1f}, llama.cpp median {statistics.median(b for _, b in pairs):.1f})")
-        result["paired_decode"] = {"pairs": pairs, "median_ratio": statistics.median(ratios)}
+        print(f"\npaired rounds, tokenmill {args.quantization[0]} vs llama.cpp (llama-bench tg128 / pp512):")
+        paired = paired_rounds(args.llama_bin, str(resolve_model("smollm2-135m-instruct").path), args.threads,
+                               args.quantization[0], args.paired_rounds)
+        result["paired"] = {}
+        for regime, pairs in paired.items():
+            ratio = statistics.median(a / b for a, b in pairs)
+            print(f"{regime}: median ratio {ratio:.2f}x (tokenmill median {statistics.median(a for a, _ in pairs):.1f}, "
+                  f"llama.cpp median {statistics.median(b for _, b in pairs):.1f} tok/s)")
+            result["paired"][regime] = {"pairs": pairs, "median_ratio": ratio}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
