@@ -3,6 +3,8 @@ the torch reference code they replace, op by op and through a whole engine."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,16 @@ def test_rope_rotates_q_and_k_heads_in_place_and_leaves_v():
     assert torch.equal(qkv[:, (h + hkv) * d :], v_before)
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("h,hkv", [(9, 3), (4, 1), (4, 4)])  # GQA, MQA, MHA
 def test_paged_decode_attention_matches_the_gathering_path(h, hkv):
     ops = cpu_kernels()
@@ -59,6 +71,26 @@ def test_paged_decode_attention_matches_the_gathering_path(h, hkv):
     assert torch.allclose(got, ref, atol=1e-5)
     with pytest.raises(RuntimeError, match="does not fit the block table"):
         ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([1, 1, 1, 1, 7 * bs + 1]), d ** -0.5)
+
+
+@pytest.mark.parametrize("h,hkv", [(9, 3), (4, 1)])
+@pytest.mark.parametrize("length", [1, 64, 65, 130, 317])
+def test_paged_decode_attention_splits_a_long_context_exactly(h, hkv, length):
+    """One sequence has fewer (sequence, KV head) pairs than twice the threads: past 64 tokens the kernel
+    splits its context into parts attended in parallel and merged by their maxima and sums."""
+    ops = cpu_kernels()
+    torch.manual_seed(length)
+    nb, bs, d = 40, 16, 64
+    kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d) * 2
+    lens = torch.tensor([length])
+    tables = torch.randperm(nb)[:20][None]
+    q = torch.randn(1, h, d) * 3  # peaked softmax: the parts' maxima differ
+    meta = AttentionMetadata(None, 1, tables, lens, length, [])
+    ref = TorchPagedAttention._decode(q, (kc, vc), meta, h // hkv)
+    for threads in (1, 2, 3):  # 1: no split; 2 and 3: two or more parts
+        with torch_threads(threads):
+            got = ops.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
+        assert torch.allclose(got, ref, atol=1e-5), threads
 
 
 def test_engine_with_fused_ops_matches_the_torch_ops(tmp_path):

@@ -663,51 +663,104 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({B, H, D}, q.options());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * HKV, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / HKV, hk = i % HKV, L = lp[b];
-      scores.assign(G * L, 0.0f);
-      const float* qh = qp + b * ldq + hk * G * D;  // the G query heads of this KV head are adjacent
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t blk = tp[b * W + j / BS];
-        TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_decode_attention: block id ", blk, " out of range");
-        const float* kj = kp + ((blk * BS + j % BS) * HKV + hk) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot_f32(qh + g * D, kj, D) * sc;
+  // The G query heads of KV head hk over tokens [j0, j1) of sequence b: acc = sum_j e_j v_j (not yet
+  // divided), mx = max score, sum = sum_j e_j, with e_j = exp(score_j - mx). scores: scratch of G * (j1 - j0).
+  auto attend = [&](int64_t b, int64_t hk, int64_t j0, int64_t j1, std::vector<float>& scores, float* acc, float* mx,
+                    float* sum) {
+    const int64_t L = j1 - j0;
+    std::fill(acc, acc + G * D, 0.0f);
+    if (L <= 0) {
+      for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), sum[g] = 0.0f;
+      return;
+    }
+    scores.assign(G * L, 0.0f);
+    const float* qh = qp + b * ldq + hk * G * D;  // the G query heads of this KV head are adjacent
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t blk = tp[b * W + j / BS];
+      TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_decode_attention: block id ", blk, " out of range");
+      const float* kj = kp + ((blk * BS + j % BS) * HKV + hk) * D;
+      for (int64_t g = 0; g < G; ++g) scores[g * L + j - j0] = dot_f32(qh + g * D, kj, D) * sc;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores.data() + g * L;
+      const float m = *std::max_element(sg, sg + L);
+      __m256 vsum = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= L; j += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(sg + j, e);
+        vsum = _mm256_add_ps(vsum, e);
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> denom(G);
+      float total = hsum(vsum);
+      for (; j < L; ++j) {
+        sg[j] = std::exp(sg[j] - m);
+        total += sg[j];
+      }
+      mx[g] = m;
+      sum[g] = total;
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t blk = tp[b * W + j / BS];
+      const float* vj = vp + ((blk * BS + j % BS) * HKV + hk) * D;
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        const float mx = *std::max_element(sg, sg + L);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= L; j += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), _mm256_set1_ps(mx)));
-          _mm256_storeu_ps(sg + j, e);
-          vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum(vsum);
-        for (; j < L; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          sum += sg[j];
-        }
-        denom[g] = 1.0f / sum;
+        const float p = scores[g * L + j - j0];
+        float* a = acc + g * D;
+        for (int64_t e = 0; e < D; ++e) a[e] += p * vj[e];
       }
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t blk = tp[b * W + j / BS];
-        const float* vj = vp + ((blk * BS + j % BS) * HKV + hk) * D;
+    }
+  };
+  // Fewer (sequence, KV head) pairs than twice the threads (one long sequence, say): split each
+  // context into P parts of at least 64 tokens, attend to the parts in parallel and merge them by
+  // their maxima and sums (flash-decoding), so no thread waits on another's whole head.
+  const int64_t items = B * HKV, threads = at::get_num_threads();
+  const int64_t max_len = *std::max_element(lp, lp + B);
+  const int64_t P = items >= 2 * threads ? 1
+                                          : std::max<int64_t>(1, std::min((2 * threads + items - 1) / items,
+                                                                          (max_len + 63) / 64));
+  if (P == 1) {
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, acc(G * D), mx(G), sum(G);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / HKV, hk = i % HKV;
+        attend(b, hk, 0, lp[b], scores, acc.data(), mx.data(), sum.data());
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + j];
-          float* a = acc.data() + g * D;
-          for (int64_t e = 0; e < D; ++e) a[e] += p * vj[e];
+          const float inv = 1.0f / sum[g];
+          for (int64_t e = 0; e < D; ++e) op[(b * H + hk * G + g) * D + e] = acc[g * D + e] * inv;
         }
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t e = 0; e < D; ++e) op[(b * H + hk * G + g) * D + e] = acc[g * D + e] * denom[g];
+    });
+    return out;
+  }
+  std::vector<float> part_acc(items * P * G * D), part_mx(items * P * G), part_sum(items * P * G);
+  at::parallel_for(0, items * P, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t item = i / P, part = i % P, b = item / HKV, hk = item % HKV;
+      const int64_t chunk = (lp[b] + P - 1) / P;
+      attend(b, hk, part * chunk, std::min(lp[b], (part + 1) * chunk), scores, part_acc.data() + i * G * D,
+             part_mx.data() + i * G, part_sum.data() + i * G);
     }
   });
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / HKV, hk = item % HKV;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t part = 0; part < P; ++part) m = std::max(m, part_mx[(item * P + part) * G + g]);
+      float total = 0.0f;
+      float* o = op + (b * H + hk * G + g) * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t part = 0; part < P; ++part) {
+        const int64_t at = (item * P + part) * G + g;
+        if (part_sum[at] == 0.0f) continue;  // an empty part (a context shorter than P tokens)
+        const float w = std::exp(part_mx[at] - m);
+        total += w * part_sum[at];
+        const float* a = part_acc.data() + at * D;
+        for (int64_t e = 0; e < D; ++e) o[e] += w * a[e];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t e = 0; e < D; ++e) o[e] *= inv;
+    }
+  }
   return out;
 }
 
