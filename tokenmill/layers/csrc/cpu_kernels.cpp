@@ -634,6 +634,62 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 // ---- decode attention over the paged KV cache, reading the blocks in place ---------------------------
+// per-thread scratch of attend (below): scores [G, L] and the L rows' offsets
+struct AttendScratch {
+  std::vector<float> scores;
+  std::vector<int64_t> rows;
+};
+
+// out[0:8 NV] = sum_i p[i] * base[rows[i] + 0:8 NV] in NV registers (a running sum in memory was bound by
+// its stores); prefetches the row pf rows ahead (pf = 0: none)
+template <int NV>
+inline void accumulate_rows(const float* base, const int64_t* rows, int64_t L, const float* p, float* out, int64_t pf) {
+  __m256 a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < L; ++i) {
+    if (pf && i + pf < L)
+      for (int o = 0; o < 8 * NV; o += 16) _mm_prefetch(reinterpret_cast<const char*>(base + rows[i + pf] + o), _MM_HINT_T0);
+    const __m256 pi = _mm256_set1_ps(p[i]);
+    const float* r = base + rows[i];
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(r + 8 * v), a[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + 8 * v, a[v]);
+}
+
+// the same for any n <= 64 columns: registers where n is a multiple of 8, else a scalar loop
+inline void accumulate_rows(const float* base, const int64_t* rows, int64_t L, const float* p, int64_t n, float* out,
+                            int64_t pf) {
+  switch (n % 8 == 0 ? n / 8 : 0) {
+    case 1: return accumulate_rows<1>(base, rows, L, p, out, pf);
+    case 2: return accumulate_rows<2>(base, rows, L, p, out, pf);
+    case 3: return accumulate_rows<3>(base, rows, L, p, out, pf);
+    case 4: return accumulate_rows<4>(base, rows, L, p, out, pf);
+    case 5: return accumulate_rows<5>(base, rows, L, p, out, pf);
+    case 6: return accumulate_rows<6>(base, rows, L, p, out, pf);
+    case 7: return accumulate_rows<7>(base, rows, L, p, out, pf);
+    case 8: return accumulate_rows<8>(base, rows, L, p, out, pf);
+    default:
+      std::fill(out, out + n, 0.0f);
+      for (int64_t i = 0; i < L; ++i)
+        for (int64_t e = 0; e < n; ++e) out[e] += p[i] * base[rows[i] + e];
+  }
+}
+
+// the dot products of q [D] (D a multiple of 8) with the 8 rows at base + rows[0..7], as 8 lanes: one
+// reduction tree for all eight instead of a horizontal sum per row
+inline __m256 dot8_rows(const float* q, const float* base, const int64_t* rows, int64_t D) {
+  __m256 s[8];
+  for (int r = 0; r < 8; ++r) s[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int r = 0; r < 8; ++r) s[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(base + rows[r] + d), s[r]);
+  }
+  // per 128 bits after two rounds: a = [r0 r1 r2 r3] (low half of D's lanes, then high), c = [r4 .. r7]
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20), _mm256_permute2f128_ps(a, c, 0x31));
+}
+
 // One query token per sequence (q [B, H, D]) against that sequence's first seq_lens[b] cached tokens,
 // found through its block table; no gathered copy of the context. Query heads sharing a KV head
 // (grouped-query attention) are handled together so each key and value is read once per group.
@@ -664,8 +720,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // The G query heads of KV head hk over tokens [j0, j1) of sequence b: acc = sum_j e_j v_j (not yet
-  // divided), mx = max score, sum = sum_j e_j, with e_j = exp(score_j - mx). scores: scratch of G * (j1 - j0).
-  auto attend = [&](int64_t b, int64_t hk, int64_t j0, int64_t j1, std::vector<float>& scores, float* acc, float* mx,
+  // divided), mx = max score, sum = sum_j e_j, with e_j = exp(score_j - mx). s: the scratch of one thread.
+  // The cached rows come from DRAM (a decode step streams ~100 MB of weights between two visits to a
+  // layer's KV), strided by Hkv * D floats: each row is prefetched PF_ROWS tokens ahead, as the hardware
+  // prefetcher does not follow the block table.
+  constexpr int64_t PF_ROWS = 16;
+  const int64_t row_floats = HKV * D;
+  auto attend = [&](int64_t b, int64_t hk, int64_t j0, int64_t j1, AttendScratch& s, float* acc, float* mx,
                     float* sum) {
     const int64_t L = j1 - j0;
     std::fill(acc, acc + G * D, 0.0f);
@@ -673,16 +734,35 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), sum[g] = 0.0f;
       return;
     }
-    scores.assign(G * L, 0.0f);
-    const float* qh = qp + b * ldq + hk * G * D;  // the G query heads of this KV head are adjacent
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t blk = tp[b * W + j / BS];
+    s.scores.assign(G * L, 0.0f);
+    s.rows.resize(L);
+    int64_t* rows = s.rows.data();  // float offset of token j0 + i's row for this head, in either cache
+    for (int64_t i = 0; i < L; ++i) {
+      const int64_t j = j0 + i, blk = tp[b * W + j / BS];
       TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_decode_attention: block id ", blk, " out of range");
-      const float* kj = kp + ((blk * BS + j % BS) * HKV + hk) * D;
-      for (int64_t g = 0; g < G; ++g) scores[g * L + j - j0] = dot_f32(qh + g * D, kj, D) * sc;
+      rows[i] = (blk * BS + j % BS) * row_floats + hk * D;
+    }
+    auto prefetch_row = [&](const float* base, int64_t i) {
+      if (i < L)
+        for (int64_t o = 0; o < D; o += 16) _mm_prefetch(reinterpret_cast<const char*>(base + rows[i] + o), _MM_HINT_T0);
+    };
+    for (int64_t i = 0; i < std::min(L, PF_ROWS); ++i) prefetch_row(kp, i), prefetch_row(vp, i);
+    const float* qh = qp + b * ldq + hk * G * D;  // the G query heads of this KV head are adjacent
+    float* scores = s.scores.data();
+    int64_t i = 0;
+    if (D % 8 == 0)
+      for (; i + 8 <= L; i += 8) {
+        for (int64_t r = 0; r < 8; ++r) prefetch_row(kp, i + r + PF_ROWS);
+        for (int64_t g = 0; g < G; ++g)
+          _mm256_storeu_ps(scores + g * L + i, _mm256_mul_ps(dot8_rows(qh + g * D, kp, rows + i, D), _mm256_set1_ps(sc)));
+      }
+    for (; i < L; ++i) {
+      prefetch_row(kp, i + PF_ROWS);
+      const float* kj = kp + rows[i];
+      for (int64_t g = 0; g < G; ++g) scores[g * L + i] = dot_f32(qh + g * D, kj, D) * sc;
     }
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores.data() + g * L;
+      float* sg = scores + g * L;
       const float m = *std::max_element(sg, sg + L);
       __m256 vsum = _mm256_setzero_ps();
       int64_t j = 0;
@@ -699,15 +779,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       mx[g] = m;
       sum[g] = total;
     }
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t blk = tp[b * W + j / BS];
-      const float* vj = vp + ((blk * BS + j % BS) * HKV + hk) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * L + j - j0];
-        float* a = acc + g * D;
-        for (int64_t e = 0; e < D; ++e) a[e] += p * vj[e];
-      }
-    }
+    // acc_g = sum_i e_gi v_i, 64 columns at a time in registers (a running sum in memory was bound by
+    // its stores); the first head's pass over the rows also prefetches the rows ahead
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d0 = 0; d0 < D; d0 += 64)
+        accumulate_rows(vp + d0, rows, L, scores + g * L, std::min<int64_t>(64, D - d0), acc + g * D + d0,
+                        g == 0 ? PF_ROWS : 0);
   };
   // Fewer (sequence, KV head) pairs than twice the threads (one long sequence, say): split each
   // context into P parts of at least 64 tokens, attend to the parts in parallel and merge them by
@@ -719,10 +796,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                                                           (max_len + 63) / 64));
   if (P == 1) {
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, acc(G * D), mx(G), sum(G);
+      AttendScratch scratch;
+      std::vector<float> acc(G * D), mx(G), sum(G);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / HKV, hk = i % HKV;
-        attend(b, hk, 0, lp[b], scores, acc.data(), mx.data(), sum.data());
+        attend(b, hk, 0, lp[b], scratch, acc.data(), mx.data(), sum.data());
         for (int64_t g = 0; g < G; ++g) {
           const float inv = 1.0f / sum[g];
           for (int64_t e = 0; e < D; ++e) op[(b * H + hk * G + g) * D + e] = acc[g * D + e] * inv;
@@ -733,11 +811,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   std::vector<float> part_acc(items * P * G * D), part_mx(items * P * G), part_sum(items * P * G);
   at::parallel_for(0, items * P, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+    AttendScratch scratch;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t item = i / P, part = i % P, b = item / HKV, hk = item % HKV;
       const int64_t chunk = (lp[b] + P - 1) / P;
-      attend(b, hk, part * chunk, std::min(lp[b], (part + 1) * chunk), scores, part_acc.data() + i * G * D,
+      attend(b, hk, part * chunk, std::min(lp[b], (part + 1) * chunk), scratch, part_acc.data() + i * G * D,
              part_mx.data() + i * G, part_sum.data() + i * G);
     }
   });
