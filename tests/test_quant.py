@@ -248,5 +248,13 @@ def test_perplexity_eval_on_a_tiny_model(tmp_path, capsys):
     ids = llm.tokenizer.encode(text.read_text(), add_special_tokens=False)[:256]
     nll = [-llm.engine.score(ids[i:i + 64])[31:].double() for i in range(0, 256, 64)]
     assert r["perplexity"] == pytest.approx(float(torch.cat(nll).mean().exp()), rel=1e-6)
+    # prompt_logits (what score() reads): row i follows ids[:i + 1], as greedy decoding reads it
+    from tokenmill import SamplingParams
+
+    lg = llm.engine.prompt_logits(ids[:20])
+    assert lg.shape == (19, llm.engine.model_config.vocab_size)
+    first = llm.generate([ids[:19]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert first[0].outputs[0].token_ids == [int(lg[-1].argmax())]
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert main(args[:3] + [str(tmp_path / "missing.txt")] + args[4:]) == 2
     assert "is not a file" in capsys.readouterr().err

@@ -177,6 +177,14 @@ class LLMEngine:
         """Log-probability of each token after the first given the ones before it ([len - 1] float32):
         one prefill through the paged KV cache (so KV-cache quantization counts), outside the scheduler.
         Call it only while no request runs."""
+        logits = self.prompt_logits(token_ids)
+        x = torch.tensor(list(token_ids)[1:])
+        return torch.log_softmax(logits, -1).gather(1, x[:, None]).squeeze(1)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
+        row i follows token_ids[: i + 1]), from one prefill as in score()."""
         from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 
         if self.has_unfinished_requests():
@@ -194,8 +202,7 @@ class LLMEngine:
             meta = AttentionMetadata(t[pos // bs] * bs + pos % bs, 0, None, None, 0,
                                      [PrefillChunk(0, len(ids), 0, t)])
             x = torch.tensor(ids, device=self.device)
-            logits = self.runner.model(x, pos, self.runner.kv_caches, meta, pos[:-1])
-            return torch.log_softmax(logits.float(), -1).gather(1, x[1:, None]).squeeze(1).cpu()
+            return self.runner.model(x, pos, self.runner.kv_caches, meta, pos[:-1]).float().cpu()
         finally:
             self.kv_cache.free("__score__")
 
