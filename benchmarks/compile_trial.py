@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
-llm = LLM(model="smollm2-135m-instruct")
+llm = LLM(model="smollm2-135m-instruct", quantization="none")  # the float32 model
 model = llm.engine.runner.model
 if args.mode == "compile":
     model.forward = torch.compile(model.forward, dynamic=True)

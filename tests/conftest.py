@@ -15,10 +15,11 @@ def gguf_path():
 
 @pytest.fixture(scope="session")
 def llm_fp32():
-    """The default model in float32, the precision the reference comparisons need."""
+    """The default model with float32 weights (the GGUF dequantized), the precision the reference
+    comparisons need (the default, --quantization auto, would keep the file's int4/int8 blocks)."""
     from tokenmill import LLM
 
-    return LLM(DEFAULT_MODEL, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+    return LLM(DEFAULT_MODEL, dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048)
 
 
 @pytest.fixture(scope="session")

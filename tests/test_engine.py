@@ -55,7 +55,7 @@ def test_staggered_arrivals_join_running_batch(llm, mixed_alone):
 def test_preemption_gives_same_outputs(llm, mixed_alone):
     # 14 blocks of 16 tokens cannot hold all six requests at once: some must be preempted.
     block_bytes = llm.engine.kv_bytes_per_token * 16
-    small = LLM(dtype="float32", kv_cache_memory=str(14 * block_bytes), max_model_len=2048)
+    small = LLM(dtype="float32", quantization="none", kv_cache_memory=str(14 * block_bytes), max_model_len=2048)
     outs = small.generate(MIXED, GREEDY, use_tqdm=False)
     assert small.engine.num_preemptions > 0
     assert sum(m.num_preemptions for o in outs for m in o.metrics) == small.engine.num_preemptions
@@ -71,7 +71,8 @@ def test_swap_preemption_gives_same_outputs_without_recompute(llm, mixed_alone, 
     from tokenmill.engine import llm_engine
 
     block_bytes = llm.engine.kv_bytes_per_token * 16
-    kw = dict(dtype="float32", kv_cache_memory=str(14 * block_bytes), max_model_len=2048, preemption_mode="swap")
+    kw = dict(dtype="float32", quantization="none", kv_cache_memory=str(14 * block_bytes), max_model_len=2048,
+              preemption_mode="swap")
     with pytest.raises(ValueError, match="already in host memory"):
         LLM(**kw)
     monkeypatch.setattr(llm_engine, "SWAP_DEVICES", ("cuda", "cpu"))

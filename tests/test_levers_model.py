@@ -28,7 +28,7 @@ POOL_BLOCKS = 16  # 4 requests of ~12 blocks share a ~8-block prefix: preemption
 @pytest.fixture(scope="module")
 def lever_llm(llm_fp32):
     block_bytes = llm_fp32.engine.kv_bytes_per_token * 16
-    return LLM(DEFAULT_MODEL, dtype="float32", kv_cache_memory=str(POOL_BLOCKS * block_bytes), max_model_len=2048,
+    return LLM(DEFAULT_MODEL, dtype="float32", quantization="none", kv_cache_memory=str(POOL_BLOCKS * block_bytes), max_model_len=2048,
                max_num_seqs=4, max_num_batched_tokens=48, enable_chunked_prefill=True, enable_prefix_caching=True,
                scheduling_policy="priority", starvation_timeout=4.0)
 

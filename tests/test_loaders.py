@@ -36,6 +36,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_llm(path, **kw) -> LLM:
+    kw.setdefault("quantization", "none")  # float weights: what the reference comparisons check
     return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", **kw)
 
 
@@ -290,6 +291,40 @@ def test_gguf_permutation_matches_transformers_gguf_loader(gguf_built, prompt_id
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     assert rel_err(tm.hf_logits(theirs, prompt_ids), tm.hf_logits(model, prompt_ids)) < TOL
+
+
+def test_quantization_auto_keeps_a_quantized_files_blocks(gguf_built, hf_built, tmp_path, prompt_ids):
+    """--quantization auto (the default): a GGUF file whose layers are all Q4_0/Q4_1/Q8_0 runs as gguf
+    (llama.cpp's behaviour, the fast path); a float or mixed-format file, a folder, or a device or dtype
+    the integer kernels do not serve, stays float."""
+    from tokenmill.layers.kernels import cpu_kernels
+    from tokenmill.layers.quant import QuantizedLinear
+    from tokenmill.models.loader import resolve_quantization
+
+    if cpu_kernels() is None:
+        pytest.skip("the integer CPU kernels are not built here")
+    model = tm.random_hf_model("llama", seed=3)
+    kept = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q8_0,
+            "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0}
+    path = tm.write_gguf(tmp_path / "q.gguf", tm.hf_to_gguf_tensors(model, lambda n, w: kept.get(n.split(".")[-2],
+                                                                                                  T.F32)),
+                         metadata=tm.llama_metadata(model.config))
+    auto = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    assert auto.engine.quantization == "gguf"
+    assert isinstance(auto.engine.runner.model.layers[0].mlp.down_proj, QuantizedLinear)
+    explicit = make_llm(path, quantization="gguf")
+    assert torch.equal(prefill_logits(auto.engine, prompt_ids), prefill_logits(explicit.engine, prompt_ids))
+    assert make_llm(path).engine.quantization == "none"  # an explicit mode is kept
+    reader = gguf_loader.open_gguf(path)
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", reader, cpu, torch.bfloat16) == "none"
+    assert resolve_quantization("auto", reader, torch.device("cuda"), torch.float32) == "none"
+    assert resolve_quantization("auto", None, cpu, torch.float32) == "none"  # a Hugging Face folder
+    for case in ("llama-f32", "llama-quantized"):  # float, and a mix with F16/BF16 layers
+        assert not gguf_loader.gguf_layers_all_kept(gguf_loader.open_gguf(gguf_built(case)[1]))
+        assert LLM(str(gguf_built(case)[1]), dtype="float32", kv_cache_memory="16MiB").engine.quantization == "none"
+    _, folder, _ = hf_built("llama-gqa")
+    assert LLM(str(folder), dtype="float32", kv_cache_memory="16MiB").engine.quantization == "none"
 
 
 # ---- errors -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from tokenmill.config import QUANTIZATION_CHOICES
 from tokenmill.models.registry import DEFAULT_MODEL
 
 
@@ -17,10 +18,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto picks bfloat16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
-                   help="weights: none (float, default); int8 (per output channel); int4 (groups of 32, scale and "
-                        "zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 blocks). Quantized layers run "
-                        "integer CPU kernels")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                   help="weights: auto (default: gguf for a GGUF file whose layers are Q4_0/Q4_1/Q8_0, on the CPU "
+                        "in float32 with the kernels built; else none); none (float); int8 (per output channel); "
+                        "int4 (groups of 32, scale and zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 "
+                        "blocks). Quantized layers run integer CPU kernels")
     g.add_argument("--max-model-len", type=int, default=None, help="context length to serve (default: the model's)")
     g.add_argument("--kv-cache-memory", default="0.1",
                    help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.1 = 10%%; default)")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # --quantization (layers/quant.py)
+# "auto" (the default) resolves to one of them when the model loads (models/loader.py: resolve_quantization)
+QUANTIZATION_CHOICES = ("auto",) + QUANTIZATIONS
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype (layers/attention.py)
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -99,7 +101,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmuls, else float32
     device: str = "cpu"
-    quantization: str = "none"  # weights: none | int8 | int4 | gguf (layers/quant.py)
+    quantization: str = "auto"  # weights: auto | none | int8 | int4 | gguf (layers/quant.py)
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -108,8 +110,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

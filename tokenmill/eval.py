@@ -84,11 +84,11 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
         r = perplexity(llm.engine, path.read_text(encoding="utf-8", errors="replace"), a.num_tokens,
                        a.context_len, progress=not a.no_progress)
     print(f"perplexity {r.perplexity:.4f} over {r.scored_tokens} tokens ({r.windows} windows of {r.context_len}; "
-          f"quantization {a.quantization}, kv-cache-dtype {a.kv_cache_dtype}, "
+          f"quantization {llm.engine.quantization}, kv-cache-dtype {a.kv_cache_dtype}, "
           f"{r.seconds:.1f} s)")
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(asdict(r) | {"dataset": str(path), "model": a.model,
-                                                                 "quantization": a.quantization,
+                                                                 "quantization": llm.engine.quantization,
                                                                  "kv_cache_dtype": a.kv_cache_dtype}, indent=1))
         print(f"saved {a.output_json}", file=sys.stderr)
     return 0

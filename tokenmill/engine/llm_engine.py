@@ -62,6 +62,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
+        self.quantization = loaded.quantization  # "auto" resolved
 
         cache = config.cache
         self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
@@ -74,7 +75,7 @@ class LLMEngine:
                 f"{self.kv_bytes_per_token * cache.block_size} bytes; raise --kv-cache-memory"
             )
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
-        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{config.quantization}|{cache.kv_cache_dtype}".encode()
+        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
@@ -84,7 +85,7 @@ class LLMEngine:
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
         logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB)",
-                    self.model_name, self.model_config.architecture, self.dtype, self.device, config.quantization,
+                    self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * cache.block_size * self.kv_bytes_per_token / 2**20)
 
     # ---- requests --------------------------------------------------------------------

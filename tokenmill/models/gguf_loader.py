@@ -154,6 +154,13 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
 KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_0"}  # --quantization gguf keeps these as they are
 
 
+def gguf_layers_all_kept(reader) -> bool:
+    """Whether every 2-D weight of the decoder layers is stored in a format --quantization gguf keeps
+    (a quantized file the kernels run as it is, not a float one or one in other block formats)."""
+    types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return bool(types) and all(k in KEPT_TYPES for k in types)
+
+
 def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
     """The 2-D tensors stored in Q8_0/Q4_1/Q4_0, as QuantizedTensors under their Hugging Face names
     (Q4_0 converted to Q4_1 exactly; q/k rows un-permuted like the float path)."""
