@@ -18,6 +18,14 @@ from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its random initialization: load_weights fills every parameter or refuses the
+    checkpoint, and initializing 135M weights only to overwrite them was ~2 s of every load."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -38,8 +46,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
         self.ops = None
 
@@ -59,8 +67,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +95,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # (no random init)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.ops = None

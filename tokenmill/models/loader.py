@@ -14,7 +14,7 @@ from tokenmill.models.gguf_loader import (gguf_layers_all_kept, gguf_model_confi
                                           gguf_weights, open_gguf)
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.quantize import quantize_model
+from tokenmill.models.quantize import kept_weight_names, quantize_model
 from tokenmill.models.registry import ModelSource
 from tokenmill.tokenizer import Tokenizer
 
@@ -47,14 +47,15 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         reader = open_gguf(source.path)
         cfg = gguf_model_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)
-        weights = gguf_weights(reader, cfg)
     else:
         cfg = hf_model_config(source.path)
         tokenizer = Tokenizer.from_hf_folder(source.path)
         weights = hf_weights(source.path)
     quantization = resolve_quantization(quantization, reader, device, dtype)
-    if quantization == "gguf" and reader is not None:  # (not a GGUF file: quantize_model says what to do)
-        raw = gguf_quantized_weights(reader, cfg)
+    if reader is not None:
+        if quantization == "gguf":  # (not a GGUF file: quantize_model says what to do)
+            raw = gguf_quantized_weights(reader, cfg)
+        weights = gguf_weights(reader, cfg, frozenset(kept_weight_names(raw, cfg.num_layers) if raw else ()))
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{cfg.max_position_embeddings}")

@@ -22,9 +22,28 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.down_proj": ("mlp.down_proj",)}
 
 
+def _keeps(parts: list[QuantizedTensor | None]) -> bool:
+    """Whether gguf mode uses the file's own blocks for a (fused) layer: all parts kept, in one format."""
+    return all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1
+
+
+def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int) -> set[str]:
+    """The float weights quantize_model(mode="gguf") never reads, because their blocks are kept; the
+    loader need not dequantize them. (The embedding is read as floats even when it is the tied head.)"""
+    names = set()
+    for i in range(num_layers):
+        for sources in _FUSED.values():
+            parts = [f"model.layers.{i}.{s}.weight" for s in sources]
+            if _keeps([raw.get(n) for n in parts]):
+                names.update(parts)
+    if "lm_head.weight" in raw:
+        names.add("lm_head.weight")
+    return names
+
+
 def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None], mode: str) -> tuple[QuantizedTensor, bool]:
     """(the weight to use, whether it is the file's own blocks)."""
-    if mode == "gguf" and all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1:
+    if mode == "gguf" and _keeps(parts):
         return (cat_rows(parts) if len(parts) > 1 else parts[0]), True
     return quantize_weight(float_w, mode), False
 
