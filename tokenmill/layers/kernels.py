@@ -69,7 +69,10 @@ def _build(cxx: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         cmd = [cxx, *cmd_flags, *inc, str(SOURCE), "-o", str(tmp_out), *libs]
-        logger.info("building tokenmill CPU kernels (once per torch version): %s", " ".join(cmd))
+        # A warning, so the first run says why it waits (~25 s on 2 cores); later runs load the cached build.
+        logger.warning("building tokenmill's CPU kernels into %s (once per torch version and kernel source; "
+                       "under a minute)", out.parent)
+        logger.debug("kernel build command: %s", " ".join(cmd))
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed:\n{r.stderr[-2000:]}")
