@@ -40,3 +40,12 @@ def llm(llm_fp32):
     assert not engine.has_unfinished_requests(), "a test left requests in the engine"
     engine.kv_cache.check_invariants()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks, "KV blocks leaked"
+
+
+@pytest.fixture(scope="session")
+def llm_default():
+    """The default model in the configuration a user gets with no flags (--quantization auto: the GGUF's
+    own blocks on the integer kernels where they build)."""
+    from tokenmill import LLM
+
+    return LLM(DEFAULT_MODEL, kv_cache_memory="256MiB", max_model_len=2048)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
+from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
+
+# Kernel tests skip only where the kernels cannot exist (not x86 with AVX2, or no compiler); where they
+# should, a failed build runs the tests and fails them.
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None and not kernels_expected(),
+                                   reason=f"CPU kernels unavailable: {unavailable_reason()}")
 
 
 @torch.inference_mode()
@@ -17,7 +24,8 @@ def prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
         pos = torch.arange(len(token_ids))
         t = torch.tensor(table)
         slots = t[pos // bs] * bs + pos % bs
-        meta = AttentionMetadata(slots, 0, None, None, 0, [PrefillChunk(0, len(token_ids), 0, t)])
+        meta = AttentionMetadata(slots, 0, None, None, 0, [PrefillChunk(0, len(token_ids), 0, t)],
+                                 block_tables=t[None], seq_of=torch.zeros_like(pos), ctx_lens=pos + 1)
         return engine.runner.model(torch.tensor(token_ids), pos, engine.runner.kv_caches, meta, pos)
     finally:
         kv.free("__probe__")

@@ -1,5 +1,5 @@
-"""The fused CPU kernels of a decoder layer (RMSNorm, RoPE, SwiGLU, paged decode attention) against
-the torch reference code they replace, op by op and through a whole engine."""
+"""The fused CPU kernels of a decoder layer (RMSNorm, RoPE, SwiGLU, paged attention) against the torch
+reference code they replace, op by op and through a whole engine, and their batch invariance."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models as tm
-from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
-from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+from helpers import needs_kernels
+from tokenmill.layers.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from tokenmill.layers.kernels import cpu_kernels
 from tokenmill.layers.rotary import RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+pytestmark = needs_kernels
 
 
 def test_rms_norm_and_silu_mul_match_torch():
@@ -56,8 +57,13 @@ def torch_threads(n):
         torch.set_num_threads(before)
 
 
+def decode_inputs(lens):
+    """paged_attention's view of a decode step: token i is sequence i's last position."""
+    return torch.arange(len(lens)), lens
+
+
 @pytest.mark.parametrize("h,hkv", [(9, 3), (4, 1), (4, 4)])  # GQA, MQA, MHA
-def test_paged_decode_attention_matches_the_gathering_path(h, hkv):
+def test_paged_attention_on_decodes_matches_the_gathering_path(h, hkv):
     ops = cpu_kernels()
     torch.manual_seed(0)
     nb, bs, d = 50, 16, 32
@@ -67,30 +73,53 @@ def test_paged_decode_attention_matches_the_gathering_path(h, hkv):
     q = torch.randn(len(lens), h, d)
     meta = AttentionMetadata(None, len(lens), tables, lens, int(lens.max()), [])
     ref = TorchPagedAttention._decode(q, (kc, vc), meta, h // hkv)
-    got = ops.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
+    got = ops.paged_attention(q, kc, vc, tables, *decode_inputs(lens), d ** -0.5)
     assert torch.allclose(got, ref, atol=1e-5)
     with pytest.raises(RuntimeError, match="does not fit the block table"):
-        ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([1, 1, 1, 1, 7 * bs + 1]), d ** -0.5)
+        ops.paged_attention(q, kc, vc, tables, torch.arange(5), torch.tensor([1, 1, 1, 1, 7 * bs + 1]), d ** -0.5)
 
 
 @pytest.mark.parametrize("h,hkv", [(9, 3), (4, 1)])
-@pytest.mark.parametrize("length", [1, 64, 65, 130, 317])
-def test_paged_decode_attention_splits_a_long_context_exactly(h, hkv, length):
-    """One sequence has fewer (sequence, KV head) pairs than twice the threads: past 64 tokens the kernel
-    splits its context into parts attended in parallel and merged by their maxima and sums."""
+@pytest.mark.parametrize("context", [0, 5, 300])
+def test_paged_attention_on_a_prefill_chunk_matches_causal_sdpa(h, hkv, context):
+    """A chunk of 40 tokens after `context` cached ones: each attends causally to the cache and the chunk."""
     ops = cpu_kernels()
-    torch.manual_seed(length)
-    nb, bs, d = 40, 16, 64
+    torch.manual_seed(context)
+    nb, bs, d, n = 40, 16, 64, 40
+    kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    table = torch.randperm(nb)[:23]
+    q = torch.randn(n, h, d) * 2
+    k = kc.view(-1, hkv, d)[(table[None] * bs + torch.arange(bs)[:, None]).t().reshape(-1)][context:context + n]
+    v = vc.view(-1, hkv, d)[(table[None] * bs + torch.arange(bs)[:, None]).t().reshape(-1)][context:context + n]
+    ref = TorchPagedAttention._prefill(q, k, v, (kc, vc), PrefillChunk(0, n, context, table), h // hkv)
+    pos = torch.arange(context, context + n)
+    got = ops.paged_attention(q, kc, vc, table[None], torch.zeros(n, dtype=torch.long), pos + 1, d ** -0.5)
+    assert torch.allclose(got, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("h,hkv", [(9, 3), (4, 1)])
+def test_paged_attention_is_batch_invariant(h, hkv):
+    """A token's output is the same bits as a decode alone, inside a prefill chunk, beside other sequences,
+    and with any thread count (contexts past one part of 256 tokens are split and merged)."""
+    ops = cpu_kernels()
+    torch.manual_seed(1)
+    nb, bs, d = 80, 16, 64
     kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d) * 2
-    lens = torch.tensor([length])
-    tables = torch.randperm(nb)[:20][None]
-    q = torch.randn(1, h, d) * 3  # peaked softmax: the parts' maxima differ
-    meta = AttentionMetadata(None, 1, tables, lens, length, [])
-    ref = TorchPagedAttention._decode(q, (kc, vc), meta, h // hkv)
-    for threads in (1, 2, 3):  # 1: no split; 2 and 3: two or more parts
-        with torch_threads(threads):
-            got = ops.paged_decode_attention(q, kc, vc, tables, lens, d ** -0.5)
-        assert torch.allclose(got, ref, atol=1e-5), threads
+    tables = torch.stack([torch.randperm(nb)[:40] for _ in range(3)])
+    q = torch.randn(600, h, d) * 3  # peaked softmax: the parts' maxima differ
+    seq0 = torch.zeros(600, dtype=torch.long)
+    chunk = ops.paged_attention(q, kc, vc, tables[:1], seq0, torch.arange(1, 601), d ** -0.5)  # one prefill
+    for t in (0, 255, 256, 511, 599):  # decodes alone, at part boundaries
+        for threads in (1, 2, 3):
+            with torch_threads(threads):
+                alone = ops.paged_attention(q[t:t + 1], kc, vc, tables[:1], seq0[:1], torch.tensor([t + 1]), d ** -0.5)
+            assert torch.equal(alone, chunk[t:t + 1]), (t, threads)
+    # in a mixed step: two other sequences' decodes, then tokens 100..399 of sequence 0 as a chunk
+    mixed_q = torch.cat([torch.randn(2, h, d), q[100:400]])
+    seq_of = torch.tensor([1, 2] + [0] * 300)
+    ctx = torch.cat([torch.tensor([37, 500]), torch.arange(101, 401)])
+    mixed = ops.paged_attention(mixed_q, kc, vc, tables[[0, 1, 2]], seq_of, ctx, d ** -0.5)
+    assert torch.equal(mixed[2:], chunk[100:400])
 
 
 def test_engine_with_fused_ops_matches_the_torch_ops(tmp_path):
@@ -120,28 +149,28 @@ def test_engine_with_fused_ops_matches_the_torch_ops(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_one_call_decode_gives_the_layer_by_layer_bits(tmp_path, arch, quantization):
-    """decode_layers runs every layer of a decode-only step in one call; it must give exactly the
-    tokens and logprobs of the layer-by-layer path with the same kernels (qwen2: q/k/v bias)."""
+def test_one_call_forward_gives_the_layer_by_layer_bits(tmp_path, arch, quantization):
+    """forward_layers runs every layer of a step (prefills and decodes) in one call; it must give exactly
+    the tokens and logprobs of the layer-by-layer path with the same kernels (qwen2: q/k/v bias)."""
     from tokenmill import LLM, SamplingParams
 
     folder = tm.save_hf_folder(tm.random_hf_model(arch), tmp_path / "m")
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization=quantization)
     model = llm.engine.runner.model
     calls = []
-    one_call = model._fused_decode
+    one_call = model._fused_layers
 
     def counting(*args):
         out = one_call(*args)
         calls.append(out is not None)
         return out
 
-    model._fused_decode = counting
+    model._fused_layers = counting
     prompts = [list(range(3, 3 + n)) for n in (5, 23, 40)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     fused = llm.generate(prompts, sp, use_tqdm=False)
-    assert any(calls) and not all(calls)  # decode steps took it, the prefill steps did not
-    model._fused_decode = lambda *args: None
+    assert calls and all(calls)  # every step took it, prefill and decode
+    model._fused_layers = lambda *args: None
     plain = llm.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

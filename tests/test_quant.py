@@ -8,13 +8,19 @@ import pytest
 import torch
 
 import tiny_models as tm
-from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+from helpers import needs_kernels
+from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
 from tokenmill.layers.quant import (FORMAT_IDS, QuantizedLinear, QuantizedTensor, dequantize_rows,
                                     q4_0_to_q4_1, quantize_int4, quantize_int8, quantize_q8_0,
                                     ref_quantize_activations, ref_qlinear)
 
 QUANTIZERS = {"int8": quantize_int8, "q8_0": quantize_q8_0, "int4": quantize_int4}
-needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+
+def test_kernels_build_where_they_should():
+    """On x86-64 with AVX2 and a compiler the kernels are the default path: their absence is a failure."""
+    if kernels_expected():
+        assert cpu_kernels() is not None, unavailable_reason()
 
 
 def test_quantizers_round_trip_within_their_step():
@@ -86,10 +92,9 @@ def test_kernel_matches_its_reference(fmt, m, k):
     y = cpu_kernels().qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
     ref = ref_qlinear(x, qw)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
-    # and the quantized activations cost little against the float product with the same weights: int8
-    # ones (q4_1 weights) about 1%, int16 ones (q8_0 weights) about 1e-5
+    # and the int16 activations cost almost nothing against the float product with the same weights
     dense = x @ qw.dequantize().t()
-    assert (y - dense).norm() / dense.norm() < (0.02 if qw.fmt == "q4_1" else 2e-4)
+    assert (y - dense).norm() / dense.norm() < 2e-4
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int4"])
@@ -104,21 +109,23 @@ def test_kernel_layout_round_trips(fmt):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", ["q8_0", "int4"])
-def test_prefill_sized_batches_take_the_dequantized_float_gemm(fmt):
-    """From DENSE_GEMM_MIN_TOKENS rows on, the layer unpacks its blocks (exactly dequantize_rows' values)
-    and runs the float GEMM; below, the integer kernel (its activation rounding shows in the result)."""
-    from tokenmill.layers.quant import DENSE_GEMM_MIN_TOKENS
-
+def test_a_rows_result_does_not_depend_on_the_batch(fmt):
+    """Batch invariance: token m's output row is the same bits whatever M, wherever m sits in the batch
+    (tile boundaries) and however many threads share the GEMM."""
     torch.manual_seed(0)
-    n, k = 37, 192
+    n, k = 45, 608  # a short last row tile, 19 blocks: a partial group of 8
     qw = QUANTIZERS[fmt](torch.randn(n, k))
-    assert torch.equal(cpu_kernels().dequantize(qw.kernel_layout(), n, k, FORMAT_IDS[qw.fmt]), qw.dequantize())
     layer = QuantizedLinear(qw, torch.randn(n))
-    big = torch.randn(DENSE_GEMM_MIN_TOKENS, k)
-    assert torch.allclose(layer(big), big @ qw.dequantize().t() + layer.bias, atol=1e-5)
-    small = big[:5]
-    assert torch.allclose(layer(small), ref_qlinear(small, qw) + layer.bias, atol=1e-4)
-    assert not torch.allclose(layer(small), small @ qw.dequantize().t() + layer.bias, atol=1e-5)
+    x = torch.randn(300, k) * 2
+    full = layer(x)
+    for i, j in [(0, 1), (7, 8), (1, 4), (2, 7), (5, 70), (299, 300), (13, 300)]:
+        assert torch.equal(layer(x[i:j]), full[i:j]), (i, j)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x[3:40]), full[3:40])
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernels
@@ -127,11 +134,8 @@ def test_kernel_activation_rounding_is_the_reference():
     x[0] = 0  # an all-zero block gets scale 0
     q, d, s = cpu_kernels().quantize_activations(x)
     rq, rd, rs = ref_quantize_activations(x)
-    assert torch.equal(q, rq) and torch.allclose(d, rd) and torch.allclose(s, rs, atol=1e-5)
-    q16, d16 = cpu_kernels().quantize_activations(x, 16)  # the int16 activations of q8_0 weights
-    rq16, rd16, _ = ref_quantize_activations(x, 16)
-    assert q16.dtype == torch.int16 and torch.equal(q16, rq16) and torch.allclose(d16, rd16)
-    assert q16.abs().max() == 32767
+    assert q.dtype == torch.int16 and torch.equal(q, rq) and torch.allclose(d, rd) and torch.allclose(s, rs, atol=1e-3)
+    assert q.abs().max() == 32767
 
 
 def test_layer_falls_back_to_dequantized_weights(monkeypatch):

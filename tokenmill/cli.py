@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"built-in alias, .gguf file, Hugging Face model folder or hub id org/name (default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; auto picks bfloat16 on CPUs with AVX512-BF16/AMX and on GPUs, else float32")
+                   help="compute dtype; auto: float32 for quantized weights on the CPU kernels (they take float32 "
+                        "activations), bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
                    help="weights: auto (default: gguf for a GGUF file whose layers are Q4_0/Q4_1/Q8_0, on the CPU "

@@ -99,7 +99,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # auto: bfloat16 where the device has fast bf16 matmuls, else float32
+    dtype: str = "auto"  # auto: float32 for quantized weights on the CPU kernels, else bf16 where fast (platform.py)
     device: str = "cpu"
     quantization: str = "auto"  # weights: auto | none | int8 | int4 | gguf (layers/quant.py)
     max_model_len: int | None = None  # default: the model's context length

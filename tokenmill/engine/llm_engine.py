@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig, parse_memory
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.layers.kernels import cpu_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.models.registry import resolve_model
 from tokenmill.outputs import RequestOutput
@@ -50,7 +51,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
             raise ValueError(
                 f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
@@ -58,6 +58,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         source = resolve_model(config.model)
         self.model_name = source.name
+        # Quantized weights on the CPU kernels (a GGUF file under --quantization auto may be) want float32
+        # activations: the default configuration is then the same, and the tested one, on every CPU.
+        quantized = config.quantization not in ("none", "auto") or source.format == "gguf"
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   cpu_quantized=quantized and self.device.type == "cpu" and cpu_kernels() is not None)
         loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -1,7 +1,11 @@
 """Attention over the paged KV cache, for a flat batch that mixes prefill and decode tokens.
 
 The runner lays the batch out as [decode tokens (one per request) | prefill chunks].
-- Decodes run as one batched SDPA call: each request's blocks are gathered into a padded
+- With the CPU kernels and a float32 cache, every token (decode or prefill alike) goes through one
+  call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place and reduces each
+  token's context in fixed parts: a token's output is the same bits however the step is composed
+  (batch invariance; see csrc/cpu_kernels.cpp).
+- Otherwise decodes run as one batched SDPA call: each request's blocks are gathered into a padded
   [B, Hkv, L, D] tensor and a length mask hides the padding. Grouped-query attention folds
   the query heads that share a KV head into the query-length axis, so K/V are never repeated.
 - Each prefill chunk runs as one SDPA call (causal); a chunk that starts after cached context
@@ -40,6 +44,11 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [B] long, including the new token
     decode_max_len: int
     prefills: list[PrefillChunk]
+    # every token's view of the cache, for paged_attention: token t reads the first ctx_lens[t] tokens
+    # (its position + 1) of the sequence whose blocks are block_tables[seq_of[t]]
+    block_tables: torch.Tensor | None = None  # [S, W] long, one row per scheduled request
+    seq_of: torch.Tensor | None = None  # [T] long
+    ctx_lens: torch.Tensor | None = None  # [T] long
 
 
 _QMAX = {torch.int8: 127.0, torch.uint8: 448.0}  # int8; fp8 e4m3 (stored as its bits)
@@ -73,7 +82,7 @@ class TorchPagedAttention:
     """Portable backend: torch indexing plus scaled_dot_product_attention (CPU or GPU)."""
 
     name = "torch"
-    ops = None  # torch.ops.tokenmill: decode attention reads float32 blocks in place (see use_fused_ops)
+    ops = None  # torch.ops.tokenmill: attention reads float32 blocks in place (see use_fused_ops)
 
     def forward(
         self,
@@ -95,13 +104,13 @@ class TorchPagedAttention:
                 kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
                 fresh.append(dequantize_kv(values, scale, q.dtype))  # what the cache will give back
             k, v = fresh
+        if self.ops is not None and len(kv) == 2 and q.dtype == torch.float32 and not q.is_cuda:
+            return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of,
+                                            meta.ctx_lens, d ** -0.5)
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes
-        if nd and self.ops is not None and len(kv) == 2 and q.dtype == torch.float32 and not q.is_cuda:
-            out[:nd] = self.ops.paged_decode_attention(q[:nd], kv[0], kv[1], meta.decode_block_tables,
-                                                       meta.decode_seq_lens, d ** -0.5)
-        elif nd:
+        if nd:
             out[:nd] = self._decode(q[:nd], kv, meta, group)
         for c in meta.prefills:
             out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end],

@@ -80,6 +80,18 @@ def _build(cxx: str) -> Path:
     return out
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def kernels_expected() -> bool:
+    """True where the kernels must build and load: x86-64 with AVX2/FMA/F16C, a C++ compiler, and not
+    disabled. The tests fail rather than skip when the kernels are missing on such a machine."""
+    return (os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "") in ("", "0")
+            and platform.machine().lower() in ("x86_64", "amd64")
+            and {"avx2", "fma", "f16c"} <= _cpu_flags() and _compiler() is not None)
+
+
 @functools.cache
 def cpu_kernels():
     """torch.ops.tokenmill with the CPU kernels loaded, or None (see unavailable_reason())."""
@@ -93,7 +105,7 @@ def cpu_kernels():
     elif not SOURCE.exists():
         _reason = f"the kernel source {SOURCE} is not installed"
     else:
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        cxx = _compiler()
         if cxx is None:
             _reason = "no C++ compiler (g++, c++ or clang++) on PATH; install one to build the kernels"
         else:

@@ -14,8 +14,9 @@ in one of two GGUF block layouts (32 weights along K per block):
 without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0.
 
 The fast path is ``torch.ops.tokenmill.qlinear`` (``csrc/cpu_kernels.cpp``): activations are
-quantized per token and per block of 32, to int8 against q4_1 weights and to int16 against q8_0
-weights (so int8 weights act as weight-only quantization), and multiplied on integer units. It reads the
+quantized per token and per block of 32 to int16 (32767 steps: the weights' own rounding is then all the
+error there is, as in weight-only quantization) and multiplied on integer units, one arithmetic for
+every batch size, so a token's result never depends on what else is in the batch. It reads the
 same bytes reordered within each row (``QuantizedTensor.kernel_layout()``: the row's scales, then
 its quants), which is how ``QuantizedLinear`` stores them. The functions here are its exact torch
 emulation (``ref_qlinear``, used by the tests) and the dequantize path that serves devices
@@ -34,10 +35,6 @@ from tokenmill.layers.kernels import cpu_kernels
 QK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}
 FORMAT_IDS = {"q8_0": 0, "q4_1": 1}  # the kernel's fmt argument
-# From this many tokens in a batch on, a quantized layer dequantizes its blocks per call and runs the
-# float GEMM: on AVX2 the integer kernel wins at decode sizes (bytes) and loses at prefill sizes (FLOPs).
-# Crossover measured here between 64 and 128 rows (gate_up: 6.0 vs 6.7 ms at 64, 12.1 vs 11.2 at 128).
-DENSE_GEMM_MIN_TOKENS = 128
 
 
 @dataclass
@@ -176,24 +173,23 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 # ---- the kernel's arithmetic, in torch --------------------------------------------------------
 
-def ref_quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x float32 [M, K] -> (q [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel does:
-    q int8 (bits 8, against q4_1 weights) or int16 (bits 16, against q8_0 weights)."""
+def ref_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] -> (q int16 [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel
+    does: d = amax / 32767 per token and block of 32, q = round(x / d)."""
     m, k = x.shape
-    qmax = 2 ** (bits - 1) - 1
     g = x.float().reshape(m, k // QK, QK)
-    d = g.abs().amax(-1) / qmax
+    d = g.abs().amax(-1) / 32767
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(g * inv[..., None]).clamp(-qmax, qmax)  # round half to even, like the kernel
-    return q.to(torch.int8 if bits == 8 else torch.int16).reshape(m, k), d, d * q.sum(-1)
+    q = torch.round(g * inv[..., None]).clamp(-32767, 32767)  # round half to even, like the kernel
+    return q.to(torch.int16).reshape(m, k), d, d * q.sum(-1)
 
 
 def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
-    """y = x W^T with int8 (q4_1) or int16 (q8_0) activations, as ``torch.ops.tokenmill.qlinear`` computes
-    it (up to fp32 summation order)."""
+    """y = x W^T with int16 activations, as ``torch.ops.tokenmill.qlinear`` computes it (up to fp32
+    summation order)."""
     n, k = w.shape
     lead = x.shape[:-1]
-    q, dx, sx = ref_quantize_activations(x.reshape(-1, k), 16 if w.fmt == "q8_0" else 8)
+    q, dx, sx = ref_quantize_activations(x.reshape(-1, k))
     blk = w.blocks()
     dw = _f16(blk[..., 0:2])  # [N, nb]
     if w.fmt == "q8_0":
@@ -201,7 +197,7 @@ def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     else:
         nib = blk[..., 4:]
         qw = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
-    # integer dot per (token, row, block): exact in float64 (|sum| < 2^27), as in the kernel's int32 lanes
+    # integer dot per (token, row, block): exact in float64 (|sum| < 2^31), as in the kernel's int32 lanes
     isum = torch.einsum("mbk,nbk->mnb", q.double().view(-1, k // QK, QK), qw.double()).float()
     y = ((isum * dx[:, None, :]) * dw[None]).sum(-1)
     if w.fmt == "q4_1":
@@ -233,11 +229,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = _ops() if x.device.type == "cpu" else None
-        if ops is not None and x.numel() >= DENSE_GEMM_MIN_TOKENS * self.in_features:
-            # a prefill-sized batch is compute-bound: unpack the blocks and use the float GEMM
-            w = ops.dequantize(self.qweight, self.out_features, self.in_features, FORMAT_IDS[self.fmt])
-            return torch.nn.functional.linear(x, w.to(x.dtype), self.bias)
-        if ops is not None:
+        if ops is not None:  # the same integer arithmetic for any number of tokens (batch invariance)
             y = ops.qlinear(x.float(), self.qweight, self.out_features, FORMAT_IDS[self.fmt]).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self._dense is None or self._dense.device != x.device or self._dense.dtype != x.dtype:

@@ -103,22 +103,22 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.ops = None
-        self._decode_stack: tuple | None = None  # decode_layers' arguments (see _fused_decode)
+        self._layer_stack: tuple | None = None  # forward_layers' arguments (see _fused_layers)
         self.requires_grad_(False)
 
     def use_fused_ops(self, ops) -> None:
-        """Run RMSNorm, RoPE, SwiGLU and float32-cache decode attention through fused CPU kernels
+        """Run RMSNorm, RoPE, SwiGLU and float32-cache attention through fused CPU kernels
         (``torch.ops.tokenmill``; float32 on the CPU only), or the torch reference code when ``ops`` is None."""
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
         for layer in self.layers:
             layer.self_attn.backend.ops = ops
-        self._decode_stack = None
+        self._layer_stack = None
 
-    def _decode_weights(self) -> tuple | None:
-        """The per-layer weights and formats ``ops.decode_layers`` takes, or None where the layers are
-        not all quantized (the one-call decode path runs the integer kernels only)."""
+    def _layer_weights(self) -> tuple | None:
+        """The per-layer weights and formats ``ops.forward_layers`` takes, or None where the layers are
+        not all quantized (the one-call path runs the integer kernels only)."""
         from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear
 
         weights, fmts = [], []
@@ -134,27 +134,24 @@ class LlamaForCausalLM(nn.Module):
             fmts += [FORMAT_IDS[lin.fmt] for lin in lins]
         return weights, fmts
 
-    def _fused_decode(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
-        """All decoder layers of a decode-only float32 step in one kernel call (``decode_layers``):
-        the same kernels as the layer-by-layer path, without ~20 Python-dispatched ops per layer.
-        None where it does not apply (prefill tokens, a quantized KV cache, float weights, or a batch
-        big enough for the quantized layers' float-GEMM path)."""
-        from tokenmill.layers.quant import DENSE_GEMM_MIN_TOKENS
-
+    def _fused_layers(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
+        """All decoder layers of a float32-cache step (decodes, prefill chunks or both) in one kernel
+        call (``forward_layers``): the same kernels, in the same order, as the layer-by-layer path,
+        without ~20 Python-dispatched ops per layer. None where it does not apply (a quantized KV
+        cache, or float weights)."""
         ops = self.ops
-        if (ops is None or meta.prefills or meta.num_decodes != x.shape[0] or x.dtype != torch.float32
-                or x.shape[0] >= DENSE_GEMM_MIN_TOKENS or any(len(kv) != 2 for kv in kv_caches)):
+        if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches):
             return None
-        if self._decode_stack is None:
-            self._decode_stack = self._decode_weights() or ()
-        if not self._decode_stack:
+        if self._layer_stack is None:
+            self._layer_stack = self._layer_weights() or ()
+        if not self._layer_stack:
             return None
-        weights, fmts = self._decode_stack
+        weights, fmts = self._layer_stack
         cfg = self.cfg
-        return ops.decode_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-                                 rope_tables[0], rope_tables[1], meta.slot_mapping, meta.decode_block_tables,
-                                 meta.decode_seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                 self.norm.eps, cfg.head_dim ** -0.5)
+        return ops.forward_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                                  rope_tables[0], rope_tables[1], meta.slot_mapping, meta.block_tables,
+                                  meta.seq_of, meta.ctx_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  self.norm.eps, cfg.head_dim ** -0.5)
 
     def forward(
         self,
@@ -168,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         rope_tables = self.rope.tables(positions)
         if self.ops is not None:
             rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
-        fused = self._fused_decode(x, rope_tables, kv_caches, meta)
+        fused = self._fused_layers(x, rope_tables, kv_caches, meta)
         if fused is not None:
             x = fused
         else:

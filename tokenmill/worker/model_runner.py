@@ -143,8 +143,18 @@ class ModelRunner:
                 table[i, : len(row)] = row
             decode_tables = torch.from_numpy(table).to(dev)
             decode_lens = torch.tensor([s.start_pos + 1 for s in decodes], dtype=torch.long, device=dev)
+        # Every token's context through one table (paged_attention): row i is request order[i]'s blocks.
+        ends = [s.start_pos + len(s.token_ids) for s in order]
+        tables = np.zeros((len(order), -(-max(ends) // bs)), dtype=np.int64)
+        for i, (s, end) in enumerate(zip(order, ends)):
+            n_blk = -(-end // bs)
+            tables[i, :n_blk] = s.block_table[:n_blk]
+        seq_of = np.repeat(np.arange(len(order)), [len(s.token_ids) for s in order])
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), len(decodes),
-                                 decode_tables, decode_lens, max_len, chunks)
+                                 decode_tables, decode_lens, max_len, chunks,
+                                 block_tables=torch.from_numpy(tables).to(dev),
+                                 seq_of=torch.from_numpy(seq_of).to(dev),
+                                 ctx_lens=torch.tensor(positions, dtype=torch.long, device=dev) + 1)
 
         # Logits only for rows that end their request's known tokens.
         sample_rows, sample_reqs, offset = [], [], 0
