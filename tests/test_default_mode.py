@@ -56,15 +56,44 @@ def test_default_is_the_gguf_blocks_in_float32(llm_default):
         assert llm_default.engine.quantization == "gguf" and llm_default.engine.dtype == torch.float32
 
 
-def test_readme_question_gets_a_right_answer(llm_default):
-    """The README's first command: `tokenmill generate "What is the capital of France?"` (chat template,
-    the CLI's default sampling)."""
+def test_readme_first_command_answers_paris():
+    """The README's first command exactly as a user runs it (a fresh process: default sampling from the
+    engine seed), and greedy one flag away, as `tokenmill generate ... --temperature 0`."""
+    import subprocess
+    import sys
+
+    for extra in ([], ["--temperature", "0"]):
+        cmd = [sys.executable, "-m", "tokenmill.cli", "generate", "What is the capital of France?", *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        text = r.stdout.strip()
+        assert "Paris" in text, (extra, text)
+        words = text.split()
+        assert len(words) < 100, (extra, text)  # it stopped on its own instead of running to the token limit
+        trigrams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
+        assert len(trigrams) == len(set(trigrams)), (extra, text)  # and does not repeat itself
+
+
+def test_generation_config_defaults(tmp_path):
+    """--generation-config: tokenmill's stated defaults for a GGUF, a folder's generation_config.json
+    over them, flags over both, greedy for do_sample false."""
     from tokenmill.cli import build_parser, sampling_params
 
-    a = build_parser().parse_args(["generate", "What is the capital of France?"])
-    out = llm_default.chat([{"role": "user", "content": a.prompts[0]}], sampling_params(a), use_tqdm=False)
-    c = out[0].outputs[0]
-    assert "Paris" in c.text and c.finish_reason == "stop", c.text
+    def params(*argv, model_path=None):
+        return sampling_params(build_parser().parse_args(["generate", "hi", *argv]), model_path)
+
+    p = params()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.max_tokens) == (0.8, 40, 0.95, 0.05, 256)
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "top_p": 0.5, "max_new_tokens": 9}')
+    p = params(model_path=tmp_path)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.3, 0.5, 40, 9)
+    assert params("--generation-config", "vllm", model_path=tmp_path).temperature == 0.8
+    assert params("--generation-config", str(tmp_path)).top_p == 0.5
+    assert params("--temperature", "0", model_path=tmp_path).temperature == 0.0
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert params(model_path=tmp_path).temperature == 0.0
+    with pytest.raises(ValueError, match="expected auto, vllm or a folder"):
+        params("--generation-config", str(tmp_path / "missing"))
 
 
 def test_logits_close_to_the_float_reference(llm_default, llm_fp32):
@@ -127,3 +156,47 @@ def test_batch_invariance_property_catches_a_broken_kernel(llm_default):
         model._fused_layers = fused
         for b in backends:
             b.ops = cpu_kernels()
+
+
+def test_score_reads_what_decoding_reads(llm_default):
+    """prompt_logits/score() (one prefill over prompt + output) gives the very logprobs greedy decoding
+    reported token by token: the same arithmetic for one row or many."""
+    ids = llm_default.tokenizer.encode("The river carried salt and silver past the mill")
+    out = llm_default.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0),
+                               use_tqdm=False)[0].outputs[0]
+    scored = llm_default.engine.score(ids + out.token_ids)[len(ids) - 1:]
+    assert scored.tolist() == [lp[t] for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+PREEMPT_PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "def add(a, b):",
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void;",
+    "Write a short poem about autumn leaves falling from the trees in the park",
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_get_the_same_bits(llm_default, mode, monkeypatch):
+    """A pool too small for every request at once: preempted requests (their KV recomputed, or swapped
+    out and back) end with the tokens and logprobs they get alone, greedy and seeded-sampled."""
+    from tokenmill import LLM
+    from tokenmill.engine import llm_engine
+
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True, logprobs=2)]
+    alone = [[llm_default.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in PREEMPT_PROMPTS]
+             for sp in params]
+    if mode == "swap":  # refused on the CPU, where the KV is already in host memory; the same code runs here
+        monkeypatch.setattr(llm_engine, "SWAP_DEVICES", ("cuda", "cpu"))
+    small = LLM(kv_cache_memory=str(12 * 16 * llm_default.engine.kv_bytes_per_token), max_model_len=2048,
+                preemption_mode=mode)
+    for sp, ref in zip(params, alone):
+        before = small.engine.num_preemptions
+        outs = [o.outputs[0] for o in small.generate(PREEMPT_PROMPTS, sp, use_tqdm=False)]
+        assert small.engine.num_preemptions > before, "nothing was preempted: the pool is too big to test it"
+        assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in ref]
+    small.engine.kv_cache.check_invariants()
+    assert small.engine.kv_cache.num_free_blocks == small.engine.kv_cache.num_blocks

@@ -129,6 +129,41 @@ def test_a_rows_result_does_not_depend_on_the_batch(fmt):
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["q8_0", "int4"])
+def test_every_instruction_set_gives_the_same_bits(fmt):
+    """The many-token GEMM has an AVX2 and an AVX512-VNNI form, chosen by CPU and batch size; both must give
+    the same bits, or the choice (a batch growing past the threshold) would change a request's result."""
+    ops = cpu_kernels()
+    if "avx512vnni" not in {ops.kernel_isa(""), _vnni_or_none(ops)}:
+        pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 form exists here")
+    torch.manual_seed(1)
+    n, k = 45, 608
+    qw = QUANTIZERS[fmt](torch.randn(n, k))
+    x = torch.randn(64, k) * 2
+    before = ops.kernel_isa("")
+    try:
+        ops.kernel_isa("avx2")
+        y2 = ops.qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
+        ops.kernel_isa("avx512vnni")
+        y5 = ops.qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
+    finally:
+        ops.kernel_isa(before)
+    assert torch.equal(y2, y5)
+    with pytest.raises(RuntimeError, match="must be '', 'avx2' or 'avx512vnni'"):
+        ops.kernel_isa("sse")
+
+
+def _vnni_or_none(ops):
+    before = ops.kernel_isa("")
+    try:
+        return ops.kernel_isa("avx512vnni")
+    except RuntimeError:
+        return None
+    finally:
+        ops.kernel_isa(before)
+
+
+@needs_kernels
 def test_kernel_activation_rounding_is_the_reference():
     x = torch.randn(9, 128) * 5
     x[0] = 0  # an all-zero block gets scale 0

@@ -54,12 +54,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--generation-config", default="auto",
+                   help="where the sampling defaults come from: auto (default) = the model's "
+                        "generation_config.json where it ships one (a Hugging Face folder), else tokenmill's "
+                        "(temperature 0.8, top-k 40, top-p 0.95, min-p 0.05: llama.cpp's); vllm = tokenmill's "
+                        "only; a folder = its generation_config.json. Flags below win over both")
+    g.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default 256, or the "
+                                                                     "generation config's max_new_tokens)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default 0.8 or the generation config's")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; default 0.95")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off); default 40")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min_p x the top probability; default 0.05")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
@@ -78,22 +86,25 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed)
 
 
-def sampling_params(a: argparse.Namespace):
+def sampling_params(a: argparse.Namespace, model_path=None):
+    """The command's SamplingParams: its flags over the --generation-config defaults for model_path."""
+    from tokenmill.generation_config import sampling_defaults
     from tokenmill.sampling_params import SamplingParams
 
+    d = sampling_defaults(a.generation_config, model_path)
+    pick = {k: getattr(a, k) if getattr(a, k) is not None else d[k]
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")}
     return SamplingParams(
-        n=a.n, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, max_tokens=a.max_tokens, stop=a.stop,
-        ignore_eos=a.ignore_eos, logprobs=a.logprobs,
+        n=a.n, presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty, seed=a.sampling_seed,
+        stop=a.stop, ignore_eos=a.ignore_eos, logprobs=a.logprobs, **pick,
     )
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
-    params = sampling_params(a)
     llm = LLM(**engine_kwargs(a))
+    params = sampling_params(a, llm.engine.model_path)
     if a.raw:
         outs = llm.generate(a.prompts, params, use_tqdm=not a.no_progress)
     else:
@@ -114,8 +125,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
-    params = sampling_params(a)
     llm = LLM(**engine_kwargs(a))
+    params = sampling_params(a, llm.engine.model_path)
     engine = llm.engine
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print("tokenmill chat: type a message, Ctrl-D or /exit to quit, /reset to start over.", file=sys.stderr)

@@ -58,6 +58,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         source = resolve_model(config.model)
         self.model_name = source.name
+        self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
         # Quantized weights on the CPU kernels (a GGUF file under --quantization auto may be) want float32
         # activations: the default configuration is then the same, and the tested one, on every CPU.
         quantized = config.quantization not in ("none", "auto") or source.format == "gguf"
@@ -191,24 +192,16 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
         row i follows token_ids[: i + 1]), from one prefill as in score()."""
-        from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
-
         if self.has_unfinished_requests():
             raise RuntimeError("score() runs outside the scheduler: finish or abort the running requests first")
         ids = self.tokenize_prompt(list(token_ids))
         if not 2 <= len(ids) <= self.max_model_len:
             raise ValueError(f"score() needs 2 to {self.max_model_len} tokens, got {len(ids)}")
-        bs = self.kv_cache.block_size
         table = self.kv_cache.allocate_slots("__score__", len(ids))
         if table is None:
             raise ValueError(f"{len(ids)} tokens do not fit in the KV cache; raise --kv-cache-memory")
         try:
-            pos = torch.arange(len(ids), device=self.device)
-            t = torch.tensor(table, device=self.device)
-            meta = AttentionMetadata(t[pos // bs] * bs + pos % bs, 0, None, None, 0,
-                                     [PrefillChunk(0, len(ids), 0, t)])
-            x = torch.tensor(ids, device=self.device)
-            return self.runner.model(x, pos, self.runner.kv_caches, meta, pos[:-1]).float().cpu()
+            return self.runner.prompt_logits(ids, table).float().cpu()
         finally:
             self.kv_cache.free("__score__")
 

@@ -7,7 +7,9 @@ namespace, or None where they cannot run: not x86-64 with AVX2/FMA/F16C, no comp
 failed build (the reason is logged once and kept in ``unavailable_reason()``). Callers then
 use the pure-torch paths in ``tokenmill/layers/quant.py``.
 
-Set ``TOKENMILL_DISABLE_CPU_KERNELS=1`` to force the torch paths.
+Set ``TOKENMILL_DISABLE_CPU_KERNELS=1`` to force the torch paths. The many-token GEMM picks its
+instruction set at run time (AVX512-VNNI where the CPU has it, else AVX2; the same bits either way);
+``TOKENMILL_CPU_ISA=avx2`` forces AVX2, and ``torch.ops.tokenmill.kernel_isa("")`` says which is in use.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def cpu_kernels():
             try:
                 torch.ops.load_library(str(_build(cxx)))
                 _reason = None
+                logger.info("tokenmill CPU kernels loaded; many-token GEMMs use %s",
+                            torch.ops.tokenmill.kernel_isa(""))
                 return torch.ops.tokenmill
             except Exception as e:  # noqa: BLE001 -- any failure means: use the torch paths, and say why
                 _reason = f"{type(e).__name__}: {e}"

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
@@ -107,8 +107,34 @@ class ModelRunner:
 
         # Decodes first, then prefill chunks: attention batches the decode block as one call.
         decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
-        prefills = [s for s in sched.scheduled if len(s.token_ids) > 1]
-        order = decodes + prefills
+        order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
+        input_ids, pos_t, meta = self._inputs(order)
+
+        # Logits only for rows that end their request's known tokens.
+        sample_rows, sample_reqs, offset = [], [], 0
+        for s in order:
+            offset += len(s.token_ids)
+            if s.needs_logits:
+                sample_rows.append(offset - 1)
+                sample_reqs.append(s.request_id)
+        logits_idx = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
+        if not sample_reqs:
+            return ModelRunnerOutput({})
+        return self._sample(logits, sample_reqs)
+
+    def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """Next-token logits after every prefix of token_ids ([len - 1, vocab]), computed as one prefill
+        chunk into block_table's blocks through the same inputs a scheduled step gets."""
+        s = ScheduledRequest("__score__", list(token_ids), 0, list(block_table), True)
+        input_ids, pos_t, meta = self._inputs([s])
+        return self.model(input_ids, pos_t, self.kv_caches, meta, pos_t[:-1])
+
+    def _inputs(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids, positions and attention metadata for requests laid out decodes first (one
+        token each), then prefill chunks."""
+        decodes = [s for s in order if len(s.token_ids) == 1]
+        prefills = order[len(decodes):]
         bs = self.block_size
 
         ids: list[int] = []
@@ -156,20 +182,8 @@ class ModelRunner:
                                  seq_of=torch.from_numpy(seq_of).to(dev),
                                  ctx_lens=torch.tensor(positions, dtype=torch.long, device=dev) + 1)
 
-        # Logits only for rows that end their request's known tokens.
-        sample_rows, sample_reqs, offset = [], [], 0
-        for s in order:
-            offset += len(s.token_ids)
-            if s.needs_logits:
-                sample_rows.append(offset - 1)
-                sample_reqs.append(s.request_id)
-        logits_idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
-        if not sample_reqs:
-            return ModelRunnerOutput({})
-        return self._sample(logits, sample_reqs)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+                meta)
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
         states = [self.states[r] for r in req_ids]
