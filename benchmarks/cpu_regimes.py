@@ -8,8 +8,9 @@ Regimes (the quantization issue's speed targets):
 Roofline, measured here by the same script so the fractions come from one run:
 - memory bandwidth: a read-only sum over a 1 GiB float32 tensor, 2 threads;
 - GEMM peak: float32 torch.mm and tokenmill's int8-activation kernel at M=512 on the model's widest shape.
-Decode ceiling (tok/s) = bandwidth / bytes of weights one step reads; prefill ceiling = float32 GEMM peak /
-(2 x decoder weights) FLOPs per token (prefill runs float GEMMs; attention FLOPs ignored, <5% at 512).
+Decode ceiling (tok/s) = bandwidth / bytes of weights one step reads; prefill ceiling = GEMM peak /
+(2 x decoder weights) FLOPs per token: the integer kernel's peak for quantized modes (they run it at every
+batch size, for batch invariance) and llama.cpp, float32's for none; attention FLOPs ignored, <5% at 512.
 
     python benchmarks/cpu_regimes.py --quantization gguf none                 # tokenmill only
     python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR       # + llama-bench, llama-batched-bench
@@ -67,7 +68,7 @@ def measure_gemm_peaks(m: int = 512, k: int = 576, n: int = 3072, reps: int = 10
     out["fp32_gflops"] = best(lambda: torch.mm(x, w.t()))
     q = quantize_weight(w, "int4")
     ops = cpu_kernels()
-    if ops is not None:  # the raw integer kernel (a QuantizedLinear would take the float GEMM at this M)
+    if ops is not None:  # the integer kernel the quantized modes run at every M
         qk = q.kernel_layout()
         out["int_kernel_gflops"] = best(lambda: ops.qlinear(x, qk, n, FORMAT_IDS[q.fmt]))
     return out
@@ -190,14 +191,15 @@ def main() -> None:
 
         rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, str(resolve_model(
             "smollm2-135m-instruct").path), args.threads)})
-    gguf_row = next((r for r in rows if r["quantization"] == "gguf"), rows[0])
+    gguf_row = next((r for r in rows if r["quantization"] in ("gguf", "auto")), rows[0])
     print(f"\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         wb = r.get("weight_bytes", gguf_row["weight_bytes"])
         dec_floor = bw * 1e9 / wb
-        # prefill runs float GEMMs in every tokenmill mode (quantized layers unpack their blocks at >= 128 rows)
-        pre_floor = peaks["fp32_gflops"] * 1e9 / (2 * gguf_row["params"])
+        # quantized modes (and llama.cpp on the same blocks) run integer GEMMs at every M; none runs float ones
+        peak = peaks["fp32_gflops"] if r["quantization"] == "none" else peaks.get("int_kernel_gflops", peaks["fp32_gflops"])
+        pre_floor = peak * 1e9 / (2 * gguf_row["params"])
         name = r["quantization"] if r["quantization"] == "llama.cpp" else f"tokenmill {r['quantization']}"
         print(f"| {name} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / dec_floor:.0%} of {dec_floor:.0f} "
               f"| {r['prefill_tok_s']:.0f} | {r['prefill_tok_s'] / pre_floor:.0%} of {pre_floor:.0f} "

@@ -8,9 +8,11 @@ Candidates (each computes y = x @ W^T for x [M, K], W [N, K]):
 - int4w    torch._weight_int4pack_mm_for_cpu: int4 weights, group-32 scale and zero, float activations
 - int8dyn  fbgemm quantized.linear_dynamic: activations quantized per call, int8 x int8 GEMM
 - int4dyn  torch._dyn_quant_matmul_4bit (KleidiAI on Arm; a reference path elsewhere)
-- tm_q8    tokenmill's AVX2 kernel (torch.ops.tokenmill.qlinear), q8_0 blocks, one scale per channel
-           (--quantization int8); activations int8 per token and block of 32
-- tm_q4    the same kernel on q4_1 blocks (--quantization int4, and GGUF Q4_0/Q4_1 with gguf)
+- tm_q8_ISA  tokenmill's integer kernel (torch.ops.tokenmill.qlinear), q8_0 blocks, one scale per channel
+             (--quantization int8); activations int16 per token and block of 32
+- tm_q4_ISA  the same kernel on q4_1 blocks (--quantization int4, and GGUF Q4_0/Q4_1 with gguf)
+  ISA is each instruction set this CPU can run it with (avx2; avx512vnni, which takes calls of 16 or
+  more rows when selected): the same bits, so only the time differs.
 
     python benchmarks/linear_kernels.py                       # all shapes, M = 1, 64, 512
     python benchmarks/linear_kernels.py --m 1 --json results/linear.json
@@ -99,9 +101,25 @@ def make_kernels(w: torch.Tensor):
         print(f"# tokenmill kernels unavailable: {unavailable_reason()}")
     else:
         for name, qt in (("tm_q8", quant.quantize_int8(w)), ("tm_q4", quant.quantize_int4(w))):
-            out[name] = ((lambda qt, qk: lambda x: ops.qlinear(x, qk, n, quant.FORMAT_IDS[qt.fmt]))(qt, qt.kernel_layout()), qt.nbytes)
+            for isa in instruction_sets(ops):
+                def run(x, qk=qt.kernel_layout(), fmt=quant.FORMAT_IDS[qt.fmt], isa=isa):
+                    ops.kernel_isa(isa)  # a flag store: nothing beside the call itself is timed
+                    return ops.qlinear(x, qk, n, fmt)
+                out[f"{name}_{isa}"] = (run, qt.nbytes)
     return out, {"int8w": (q8.float() * s8[:, None]),
                  "int4w": ((q4.view(n, k // GROUP, GROUP).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)}
+
+
+def instruction_sets(ops) -> list[str]:
+    """The many-token GEMM forms this CPU runs (the kernels pick the last by default)."""
+    default = ops.kernel_isa("")
+    found = ["avx2"]
+    try:
+        found.append(ops.kernel_isa("avx512vnni"))
+    except RuntimeError:
+        pass
+    ops.kernel_isa(default)
+    return found
 
 
 def main() -> None:

@@ -38,8 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps under the token budget, running decodes first "
                         "(default on; --no-enable-chunked-prefill runs each prompt whole)")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV blocks of a prompt prefix already computed (shared system prompts)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix already computed (shared system prompts, "
+                        "multi-turn chats); default on, as in vLLM: on the CPU kernels a request's outputs are the "
+                        "same bits with or without a cache hit; --no-enable-prefix-caching turns it off")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs: arrival order (default); priority: lower request priority runs first, "
                         "ties by arrival, and the lowest-priority running request is preempted first")

@@ -50,7 +50,7 @@ class CacheConfig:
     block_size: int = 16
     # bytes ("2GiB", "512MB", 1e9) or a fraction of free memory (0 < x <= 1)
     kv_cache_memory: str | float = "0.1"
-    enable_prefix_caching: bool = False  # share full KV blocks between requests with a common prefix
+    enable_prefix_caching: bool = True  # share full KV blocks between requests with a common prefix
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8 (e4m3) with a scale per token and head
 
     def __post_init__(self) -> None:

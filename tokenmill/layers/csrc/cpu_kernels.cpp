@@ -333,9 +333,11 @@ bool g_use_vnni = [] {
   const char* e = std::getenv("TOKENMILL_CPU_ISA");
   return cpu_has_vnni() && !(e && std::string(e) == "avx2");
 }();
-// Below this many tokens the AVX2 tiles win: widening a panel costs about as much as a few tokens' work
-// (measured on a Sapphire Rapids-class Xeon: VNNI 0.7x at M=2, 1.2-1.5x at M=8, 3-4x at M=512).
-constexpr int64_t VNNI_MIN_TOKENS = 8;
+// Below this many tokens the AVX2 tiles win: widening a panel costs about as much as a few tokens' work.
+// Measured (benchmarks/linear_kernels.py, the model's shapes, 2 threads): on a Sapphire Rapids-class Xeon
+// VNNI ran 0.7x at M=2, 1.2-1.5x at M=8, 3-4x at M=512; on a Zen 5 EPYC 0.9x at M=8 (0.5x on the output
+// head), 1.4x at M=16, 2.7x at M=64, 3.4x at M=512. 16 is the crossing on both.
+constexpr int64_t VNNI_MIN_TOKENS = 16;
 
 template <bool Q4, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t* xq, const float* xd,
