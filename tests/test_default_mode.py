@@ -141,6 +141,18 @@ def test_batch_invariance_property(llm_default):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", [dict(quantization="none"), dict(quantization="int4"), dict(kv_cache_dtype="int8"),
+                                  dict(kv_cache_dtype="fp8")], ids=["none", "int4", "kv-int8", "kv-fp8"])
+def test_batch_invariance_property_in_every_mode(mode):
+    """The other modes on the CPU in float32: float weights through PanelLinear's fixed-order GEMM,
+    requantized blocks, and 1-byte KV caches read by the same attention kernel."""
+    from tokenmill import LLM
+
+    llm = LLM(kv_cache_memory="128MiB", max_model_len=2048, **mode)
+    assert invariance_violations(llm, trials=3, seed=1) == 0
+
+
+@needs_kernels
 def test_batch_invariance_property_catches_a_broken_kernel(llm_default):
     """Negative control: the torch attention paths (batched SDPA for decodes, one call per prefill chunk)
     reduce a token's context differently by step composition; the property must notice."""

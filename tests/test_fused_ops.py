@@ -122,18 +122,75 @@ def test_paged_attention_is_batch_invariant(h, hkv):
     assert torch.equal(mixed[2:], chunk[100:400])
 
 
+@pytest.mark.parametrize("store", [torch.int8, torch.uint8])  # --kv-cache-dtype int8, fp8 (e4m3 bits)
+def test_paged_attention_reads_a_quantized_cache_as_dequantize_kv_does(store):
+    """The kernel on 1-byte values and per-token scales gives the bits it gives on the float cache
+    dequantize_kv makes of them (every e4m3 code converts as torch converts it), so the quantized-cache
+    modes share the float path's batch invariance."""
+    from tokenmill.layers.attention import dequantize_kv, quantize_kv
+
+    ops = cpu_kernels()
+    torch.manual_seed(2)
+    nb, bs, hkv, h, d = 30, 16, 3, 9, 64
+    kq, ks = quantize_kv(torch.randn(nb * bs, hkv, d) * 3, store)
+    vq, vs = quantize_kv(torch.randn(nb * bs, hkv, d), store)
+    if store == torch.uint8:  # every code, NaN included, reaches the conversion
+        kq[: 256 // d + 1].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    caches = [t.view(nb, bs, *t.shape[1:]) for t in (kq, vq, ks, vs)]
+    deq = [dequantize_kv(caches[i], caches[i + 2], torch.float32).contiguous() for i in (0, 1)]
+    tables = torch.stack([torch.randperm(nb)[:20] for _ in range(2)])
+    q = torch.randn(50, h, d)
+    seq_of, ctx = torch.tensor([0] * 49 + [1]), torch.cat([torch.arange(251, 300), torch.tensor([320])])
+    ref = ops.paged_attention(q, *deq, tables, seq_of, ctx, d ** -0.5)
+    got = ops.paged_attention(q, caches[0], caches[1], tables, seq_of, ctx, d ** -0.5, caches[2], caches[3])
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+    with pytest.raises(RuntimeError, match="both k_scale and v_scale"):
+        ops.paged_attention(q, caches[0], caches[1], tables, seq_of, ctx, d ** -0.5, caches[2])
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 37)])
+def test_flinear_is_the_float_product_in_one_order_for_any_batch(k, n):
+    """--quantization none's GEMM: within float rounding of the float64 product, a row's bits do not
+    depend on the rows beside it, and the AVX2 and AVX512 forms agree to the bit."""
+    from tokenmill.layers.panel_linear import from_panels, to_panels
+
+    ops = cpu_kernels()
+    torch.manual_seed(k)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(70, k)
+    wp = to_panels(w)
+    assert torch.equal(from_panels(wp, n), w)
+    ref = F.linear(x.double(), w.double(), b.double())
+    before = ops.kernel_isa("")
+    forms = {}
+    try:
+        for isa in ("avx2", "avx512vnni"):
+            try:
+                ops.kernel_isa(isa)
+            except RuntimeError:
+                continue  # this CPU has no AVX512
+            y = ops.flinear(x, wp, n, b)
+            assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+            for i, m in [(0, 1), (5, 2), (7, 3), (20, 17), (3, 64)]:
+                assert torch.equal(ops.flinear(x[i:i + m], wp, n, b), y[i:i + m]), (isa, i, m)
+            forms[isa] = y
+    finally:
+        ops.kernel_isa(before)
+    assert all(torch.equal(y, forms["avx2"]) for y in forms.values())
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.flinear(x, w, n, None)
+
+
 def test_engine_with_fused_ops_matches_the_torch_ops(tmp_path):
     """Fused ops on vs off on a float tiny model: same greedy tokens over a mixed batch (prefills, then
-    batched decodes over several blocks) and the same logprobs within float rounding. (Quantized models
-    turn them on by themselves; int8 activation rounding would amplify the last-bit differences.)"""
+    batched decodes over several blocks) and the same logprobs within float rounding. (Every float32 CPU
+    model turns them on by itself, float weights through PanelLinear's fixed-order GEMM.)"""
     from tokenmill import LLM, SamplingParams
 
     folder = tm.save_hf_folder(tm.random_hf_model("llama"), tmp_path / "m")
     assert LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int8").engine.runner.model.ops
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB")
     model = llm.engine.runner.model
-    assert model.ops is None  # the float path keeps the torch ops unless asked
-    model.use_fused_ops(cpu_kernels())
+    assert model.ops is not None and type(model.layers[0].mlp.down_proj).__name__ == "PanelLinear"
     assert model.layers[0].self_attn.backend.ops is not None
     prompts = [list(range(3, 3 + n)) for n in (5, 23, 40)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)

@@ -19,13 +19,13 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device, cpu_quantized: bool = False) -> torch.dtype:
-    """--dtype auto: bf16/fp16 on GPUs; on a CPU float32 when the weights run on tokenmill's integer
-    kernels (``cpu_quantized``: they take float32 activations), else bf16 where it is fast."""
+def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = False) -> torch.dtype:
+    """--dtype auto: bf16/fp16 on GPUs; on a CPU float32 where tokenmill's kernels run (``cpu_kernels``:
+    every mode is then batch invariant, and they take float32 activations), else bf16 where it is fast."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and not cpu_quantized and cpu_has_fast_bf16():
+        if device.type == "cpu" and not cpu_kernels and cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -59,11 +59,10 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_name = source.name
         self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
-        # Quantized weights on the CPU kernels (a GGUF file under --quantization auto may be) want float32
-        # activations: the default configuration is then the same, and the tested one, on every CPU.
-        quantized = config.quantization not in ("none", "auto") or source.format == "gguf"
+        # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
+        # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
         self.dtype = resolve_dtype(config.dtype, self.device,
-                                   cpu_quantized=quantized and self.device.type == "cpu" and cpu_kernels() is not None)
+                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
         loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -1,10 +1,10 @@
 """Attention over the paged KV cache, for a flat batch that mixes prefill and decode tokens.
 
 The runner lays the batch out as [decode tokens (one per request) | prefill chunks].
-- With the CPU kernels and a float32 cache, every token (decode or prefill alike) goes through one
-  call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place and reduces each
-  token's context in fixed parts: a token's output is the same bits however the step is composed
-  (batch invariance; see csrc/cpu_kernels.cpp).
+- With the CPU kernels and float32 activations, every token (decode or prefill alike) goes through one
+  call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place (a quantized cache's
+  rows dequantized as it reads them) and reduces each token's context in fixed parts: a token's output
+  is the same bits however the step is composed (batch invariance; see csrc/cpu_kernels.cpp).
 - Otherwise decodes run as one batched SDPA call: each request's blocks are gathered into a padded
   [B, Hkv, L, D] tensor and a length mask hides the padding. Grouped-query attention folds
   the query heads that share a KV head into the query-length axis, so K/V are never repeated.
@@ -104,9 +104,10 @@ class TorchPagedAttention:
                 kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
                 fresh.append(dequantize_kv(values, scale, q.dtype))  # what the cache will give back
             k, v = fresh
-        if self.ops is not None and len(kv) == 2 and q.dtype == torch.float32 and not q.is_cuda:
+        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda:
+            # reads the cache in place (a quantized one dequantized row by row, as gather_kv would)
             return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of,
-                                            meta.ctx_lens, d ** -0.5)
+                                            meta.ctx_lens, d ** -0.5, *kv[2:])
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes

@@ -14,7 +14,7 @@ from tokenmill.models.gguf_loader import (gguf_layers_all_kept, gguf_model_confi
                                           gguf_weights, open_gguf)
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.models.quantize import kept_weight_names, quantize_model
+from tokenmill.models.quantize import kept_weight_names, panel_model, quantize_model
 from tokenmill.models.registry import ModelSource
 from tokenmill.tokenizer import Tokenizer
 
@@ -70,9 +70,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     # RoPE tables stay float32 for accuracy; everything else takes the compute dtype.
     model.to(device=device, dtype=dtype)
     model.rope.to(device=device, dtype=torch.float32)
-    # The fused elementwise kernels come with the quantized ones (same build); the float path keeps the
-    # torch reference ops, so an unquantized model never waits for a compiler.
-    if quantization != "none" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
+    # On the CPU in float32 every mode runs the kernels (fused elementwise ops, paged attention, and for
+    # none float32 GEMMs in one summation order): batch invariant whatever the weights.
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
+        if quantization == "none":
+            panel_model(model, cpu_kernels())
         model.use_fused_ops(cpu_kernels())
     model.eval()
     return LoadedModel(model, cfg, tokenizer, max_model_len, quantization)

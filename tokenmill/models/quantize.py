@@ -1,4 +1,5 @@
-"""Swap a loaded model's linear layers (and output head) for quantized ones (--quantization).
+"""Swap a loaded model's linear layers (and output head) for quantized ones (--quantization), or, for
+``none`` on the CPU kernels, for float32 ones in one summation order (``panel_model``).
 
 ``int8``/``int4`` quantize the float weights; ``gguf`` keeps the file's own blocks where they are in
 a kept format (fused q/k/v and gate/up need all parts in the same one) and quantizes the rest to
@@ -11,6 +12,7 @@ import logging
 
 import torch
 
+from tokenmill.layers.panel_linear import PanelLinear
 from tokenmill.layers.quant import QUANTIZATIONS, QuantizedLinear, QuantizedTensor, cat_rows, quantize_weight
 
 logger = logging.getLogger("tokenmill")
@@ -77,6 +79,22 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
     model.head = QuantizedLinear(qw)
     if requantized:
         logger.info("--quantization gguf: %d linear layers were not in a kept GGUF format and use Q8_0", requantized)
+
+
+def panel_model(model, ops) -> None:
+    """--quantization none on the CPU kernels: every decoder linear layer and the output head become a
+    PanelLinear (float32, the same bits for a row whatever the batch). The embedding stays for lookups;
+    a tied head gets its own panel copy of it."""
+    for layer in model.layers:
+        for path in _FUSED:
+            owner_name, attr = path.rsplit(".", 1)
+            owner = layer.get_submodule(owner_name)
+            lin = getattr(owner, attr)
+            setattr(owner, attr, PanelLinear(lin.weight.data, lin.bias, ops))
+    if model.lm_head is None:
+        model.head = PanelLinear(model.embed_tokens.weight.data, None, ops)
+    else:  # the untied head's weight lives in its panels only
+        model.lm_head = model.head = PanelLinear(model.lm_head.weight.data, None, ops)
 
 
 def quantized_weight_bytes(model) -> int:

@@ -27,12 +27,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
-#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -465,6 +467,108 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   return {q, d, s};
 }
 
+// ---- float32 linear layers in one summation order (--quantization none) ----------------------------
+// torch's float GEMM picks its blocking by batch size, so a row's result changes with M. Here
+// y[m, n] = sum_k x[m, k] w[n, k] is always eight FMA chains, chain j over k = j, j + 8, j + 16, ... in
+// order, then hsum()'s tree over the chains, whatever M, the thread split or the instruction set.
+// Weights are panels of 16 output columns, [P, K, 16] float32 (columns past N zero): a panel row is one
+// zmm (two ymm), so the chains of 16 (8) columns advance together with no horizontal sums.
+constexpr int FP = 16;
+
+template <int RM>
+TM_AVX512 void fpanel_avx512(const float* wp, int64_t K, const float* x, int64_t ldx, const float* bias, float* y,
+                             int64_t ldy, int cols) {
+  __m512 acc[RM][8];
+  for (int m = 0; m < RM; ++m)
+    for (int j = 0; j < 8; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512 w = _mm512_load_ps(wp + (k + j) * FP);
+      for (int m = 0; m < RM; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k + j]), w, acc[m][j]);
+    }
+  for (; k < K; ++k) {
+    const __m512 w = _mm512_load_ps(wp + k * FP);
+    for (int m = 0; m < RM; ++m) acc[m][k & 7] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), w, acc[m][k & 7]);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  for (int m = 0; m < RM; ++m) {
+    const __m512 t0 = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][4]), _mm512_add_ps(acc[m][2], acc[m][6]));
+    const __m512 t1 = _mm512_add_ps(_mm512_add_ps(acc[m][1], acc[m][5]), _mm512_add_ps(acc[m][3], acc[m][7]));
+    __m512 r = _mm512_add_ps(t0, t1);
+    if (bias) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, bias));
+    _mm512_mask_storeu_ps(y + m * ldy, mask, r);
+  }
+}
+
+// The same on AVX2, one token and one half panel (8 columns) at a time: 8 chains fill half the ymm registers.
+inline void fpanel_avx2(const float* wp, int64_t K, const float* x, const float* bias, float* y, int cols) {
+  for (int h = 0; h < 2 && 8 * h < cols; ++h) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    const float* w = wp + 8 * h;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j)
+        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(x[k + j]), _mm256_load_ps(w + (k + j) * FP), acc[j]);
+    for (; k < K; ++k) acc[k & 7] = _mm256_fmadd_ps(_mm256_set1_ps(x[k]), _mm256_load_ps(w + k * FP), acc[k & 7]);
+    const __m256 t0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    const __m256 t1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    __m256 r = _mm256_add_ps(t0, t1);
+    const int n = std::min(8, cols - 8 * h);
+    alignas(32) float out[8] = {};
+    if (bias) {
+      std::memcpy(out, bias + 8 * h, n * sizeof(float));
+      r = _mm256_add_ps(r, _mm256_load_ps(out));
+    }
+    _mm256_store_ps(out, r);
+    std::memcpy(y + 8 * h, out, n * sizeof(float));
+  }
+}
+
+// y [M, N] = x [M, K] . W^T (+ bias) with W as panels [ceil(N / 16), K, 16]
+at::Tensor flinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "tokenmill::flinear takes float32 activations on the CPU");
+  const int64_t K = x.size(-1), P = (n_out + FP - 1) / FP;
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 3 && w.size(0) == P && w.size(1) == K &&
+                  w.size(2) == FP && reinterpret_cast<uintptr_t>(w.data_ptr()) % 64 == 0,
+              "tokenmill::flinear: weight must be 64-byte aligned contiguous float32 panels [", P, ", ", K, ", 16] ",
+              "(tokenmill.layers.panel_linear.to_panels)");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
+                "tokenmill::flinear: bias must be contiguous float32 [", n_out, "]");
+    b = bias->data_ptr<float>();
+  }
+  auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n_out;
+  auto y = at::empty({M, n_out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool wide = g_use_vnni;  // AVX512 where the many-token GEMM uses it; the same bits either way
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int cols = static_cast<int>(std::min<int64_t>(FP, n_out - p * FP));
+      const float* wpp = wp + p * K * FP;
+      const float* bp = b ? b + p * FP : nullptr;
+      float* yo = yp + p * FP;
+      int64_t m = 0;
+      if (wide) {
+        for (; m + 3 <= M; m += 3) fpanel_avx512<3>(wpp, K, xp + m * K, K, bp, yo + m * n_out, n_out, cols);
+        for (; m < M; ++m) fpanel_avx512<1>(wpp, K, xp + m * K, K, bp, yo + m * n_out, n_out, cols);
+      } else {
+        for (; m < M; ++m) fpanel_avx2(wpp, K, xp + m * K, bp, yo + m * n_out, cols);
+      }
+    }
+  });
+  return y.view(out_shape);
+}
+
 // e^x on eight lanes: x = n ln2 + r, e^r from Cephes' expf polynomial (about 1 ulp), times 2^n.
 // Inputs are clamped to [-87.3, 88.3], where the result is a normal float.
 inline __m256 exp256(__m256 x) {
@@ -588,6 +692,7 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 struct AttendScratch {
   std::vector<float> scores;
   std::vector<int64_t> rows;
+  std::vector<float> k, v;  // a quantized cache's rows of one part, dequantized
 };
 
 // out[0:8 NV] = sum_i p[i] * base[rows[i] + 0:8 NV] in NV registers (a running sum in memory was bound by
@@ -652,15 +757,59 @@ inline __m256 dot8_rows(const float* q, const float* base, const int64_t* rows, 
 // threads change nothing. One long sequence still spreads over the threads through its parts.
 constexpr int64_t PART = 256;
 
+// fp8 e4m3 (finite, NaN at 0x7f/0xff) to float, exactly as torch converts it: 256 entries, built once
+const std::array<float, 256> kE4M3 = [] {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
+    t[b] = (b & 128) ? -v : v;
+  }
+  return t;
+}();
+
+// A quantized cache (--kv-cache-dtype int8|fp8): 1-byte values [blocks, block_size, Hkv, D] and one float32
+// scale per token and KV head [blocks, block_size, Hkv]. Rows are dequantized as value * scale, the one
+// float multiply attention.py's dequantize_kv does, so the kernel sees the values the torch path would.
+struct QuantizedCache {
+  const uint8_t* values = nullptr;  // int8 or e4m3 bits
+  const float* scales = nullptr;
+  bool fp8 = false;
+  inline void row(int64_t slot_row, int64_t scale_idx, int64_t D, float* out) const {
+    const uint8_t* v = values + slot_row;
+    const float s = scales[scale_idx];
+    if (fp8)
+      for (int64_t e = 0; e < D; ++e) out[e] = kE4M3[v[e]] * s;
+    else
+      for (int64_t e = 0; e < D; ++e) out[e] = static_cast<float>(static_cast<int8_t>(v[e])) * s;
+  }
+};
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& ctx_lens,
-                           double scale) {
+                           double scale, const std::optional<at::Tensor>& k_scale = std::nullopt,
+                           const std::optional<at::Tensor>& v_scale = std::nullopt) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "tokenmill::paged_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "tokenmill::paged_attention: caches must be contiguous float32 [blocks, block_size, Hkv, D]");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(quantized == v_scale.has_value(), "tokenmill::paged_attention: give both k_scale and v_scale, or neither");
+  const auto store = k_cache.scalar_type();
+  TORCH_CHECK(quantized ? (store == at::kChar || store == at::kByte) : store == at::kFloat,
+              "tokenmill::paged_attention: caches must be float32, or int8/uint8 (fp8 e4m3 bits) with scales");
+  TORCH_CHECK(v_cache.scalar_type() == store && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "tokenmill::paged_attention: caches must be contiguous [blocks, block_size, Hkv, D] of one dtype");
+  QuantizedCache kq, vq;
+  if (quantized) {
+    for (const at::Tensor* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
+                      sc->numel() * k_cache.size(3) == k_cache.numel(),
+                  "tokenmill::paged_attention: scales must be contiguous float32 [blocks, block_size, Hkv]");
+    kq = {static_cast<const uint8_t*>(k_cache.data_ptr()), k_scale->data_ptr<float>(), store == at::kByte};
+    vq = {static_cast<const uint8_t*>(v_cache.data_ptr()), v_scale->data_ptr<float>(), store == at::kByte};
+  }
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   seq_of.scalar_type() == at::kLong && seq_of.is_contiguous() &&
                   ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() &&
@@ -671,8 +820,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.size(3) == D && H % HKV == 0, "tokenmill::paged_attention: head layout mismatch");
   const int64_t G = H / HKV, S = block_tables.size(0), W = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const float* kp_float = quantized ? nullptr : k_cache.data_ptr<float>();
+  const float* vp_float = quantized ? nullptr : v_cache.data_ptr<float>();
   const int64_t* tp = block_tables.data_ptr<int64_t>();
   const int64_t* sp = seq_of.data_ptr<int64_t>();
   const int64_t* lp = ctx_lens.data_ptr<int64_t>();
@@ -703,6 +852,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t j = j0 + i, blk = tp[b * W + j / BS];
       TORCH_CHECK(blk >= 0 && blk < NB, "tokenmill::paged_attention: block id ", blk, " out of range");
       rows[i] = (blk * BS + j % BS) * row_floats + hk * D;
+    }
+    const float* kp = kp_float;
+    const float* vp = vp_float;
+    if (quantized) {  // the part's rows dequantized into scratch; everything below then reads floats alike
+      s.k.resize(L * D), s.v.resize(L * D);
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t scale_idx = rows[i] / D;  // (slot * Hkv + hk): one scale per token and KV head
+        kq.row(rows[i], scale_idx, D, s.k.data() + i * D);
+        vq.row(rows[i], scale_idx, D, s.v.data() + i * D);
+        rows[i] = i * D;
+      }
+      kp = s.k.data(), vp = s.v.data();
     }
     auto prefetch_row = [&](const float* base, int64_t i) {
       if (i < L)
@@ -896,12 +1057,13 @@ std::string kernel_isa(std::string name) {
 TORCH_LIBRARY(tokenmill, m) {
   m.def("kernel_isa(str name) -> str", &kernel_isa);
   m.def("qlinear(Tensor x, Tensor w, int n_out, int fmt) -> Tensor");
+  m.def("flinear(Tensor x, Tensor w, int n_out, Tensor? bias=None) -> Tensor");
   m.def("quantize_activations(Tensor x) -> Tensor[]");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int n_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor ctx_lens, float scale) -> Tensor");
+        "Tensor ctx_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("forward_layers(Tensor x, Tensor[] weights, int[] fmts, Tensor[] k_caches, Tensor[] v_caches, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_of, Tensor ctx_lens, int n_heads, "
         "int n_kv_heads, int head_dim, float eps, float scale) -> Tensor");
@@ -909,6 +1071,7 @@ TORCH_LIBRARY(tokenmill, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("flinear", &flinear);
   m.impl("quantize_activations", &quantize_activations);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
