@@ -82,6 +82,8 @@ def weight_bytes(model) -> int:
     for name, mod in model.named_modules():
         if isinstance(mod, QuantizedLinear):
             total += mod.weight.nbytes
+        elif hasattr(mod, "panels"):  # PanelLinear: float32 weights (--quantization none on the kernels)
+            total += mod.out_features * mod.in_features * 4
         elif isinstance(mod, torch.nn.Linear):
             total += mod.weight.numel() * mod.weight.element_size()
     if model.head is None and model.lm_head is None:  # tied float head: the embedding matrix is read
@@ -94,7 +96,7 @@ def decoder_weights(model) -> int:
     from tokenmill.layers.quant import QuantizedLinear
 
     return sum(m.in_features * m.out_features for m in model.layers.modules()
-               if isinstance(m, (QuantizedLinear, torch.nn.Linear)))
+               if isinstance(m, (QuantizedLinear, torch.nn.Linear)) or hasattr(m, "panels"))
 
 
 def run_tokenmill(quantization: str, vocab_hi: int = 20000) -> dict:

@@ -39,6 +39,12 @@ def continuation_logits(llm: LLM, prompts: list[list[int]], conts: list[list[int
     return [llm.engine.prompt_logits(p + c)[len(p) - 1:] for p, c in zip(prompts, conts)]
 
 
+def mode_kwargs(mode: str) -> dict:
+    """A --modes entry as LLM keyword arguments: a --quantization mode, or kv-int8 / kv-fp8 (the default
+    weights with a 1-byte KV cache)."""
+    return {"kv_cache_dtype": mode[3:]} if mode.startswith("kv-") else {"quantization": mode}
+
+
 def text_agreement(llms: dict[str, LLM], path: str, num_tokens: int, context_len: int) -> None:
     """Top-1 agreement with float32 ("none") at each of num_tokens positions of the file's own text."""
     ref = llms["none"]
@@ -71,13 +77,14 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=0,
                     help="teacher-forced agreement over each file's first N tokens instead of generation")
     ap.add_argument("--context-len", type=int, default=512, help="with --text-tokens: positions per window")
-    ap.add_argument("--modes", nargs="+", default=["int8", "gguf", "int4"], help="--quantization modes to compare")
+    ap.add_argument("--modes", nargs="+", default=["int8", "gguf", "int4"],
+                    help="--quantization modes to compare, or kv-int8 / kv-fp8 (default weights, 1-byte KV cache)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.text_tokens:
-        llms = {mode: LLM(quantization=mode, kv_cache_memory="256MiB", max_model_len=2048)
+        llms = {mode: LLM(**mode_kwargs(mode), kv_cache_memory="256MiB", max_model_len=2048)
                 for mode in ["none", *args.modes]}
         for path in args.dataset:
             text_agreement(llms, path, args.text_tokens, args.context_len)
@@ -87,7 +94,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
     def run(mode):
-        llm = LLM(quantization=mode)
+        llm = LLM(**mode_kwargs(mode))
         outs = llm.generate(prompts, sp, use_tqdm=False)
         return llm, [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
 

@@ -11,6 +11,7 @@ Candidates (each computes y = x @ W^T for x [M, K], W [N, K]):
 - tm_q8_ISA  tokenmill's integer kernel (torch.ops.tokenmill.qlinear), q8_0 blocks, one scale per channel
              (--quantization int8); activations int16 per token and block of 32
 - tm_q4_ISA  the same kernel on q4_1 blocks (--quantization int4, and GGUF Q4_0/Q4_1 with gguf)
+- tm_f32_ISA flinear, tokenmill's float32 GEMM in one summation order (--quantization none on the kernels)
   ISA is each instruction set this CPU can run it with (avx2; avx512vnni, which takes calls of 16 or
   more rows when selected): the same bits, so only the time differs.
 
@@ -95,6 +96,7 @@ def make_kernels(w: torch.Tensor):
         print(f"# int4dyn unavailable: {type(e).__name__}: {str(e)[:100]}")
     from tokenmill.layers import quant
     from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+    from tokenmill.layers.panel_linear import to_panels
 
     ops = cpu_kernels()
     if ops is None:
@@ -106,6 +108,12 @@ def make_kernels(w: torch.Tensor):
                     ops.kernel_isa(isa)  # a flag store: nothing beside the call itself is timed
                     return ops.qlinear(x, qk, n, fmt)
                 out[f"{name}_{isa}"] = (run, qt.nbytes)
+        panels = to_panels(w)
+        for isa in instruction_sets(ops):
+            def run_f32(x, isa=isa):
+                ops.kernel_isa(isa)
+                return ops.flinear(x, panels, n, None)
+            out[f"tm_f32_{isa}"] = (run_f32, w.numel() * 4)
     return out, {"int8w": (q8.float() * s8[:, None]),
                  "int4w": ((q4.view(n, k // GROUP, GROUP).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)}
 

@@ -212,3 +212,27 @@ def test_preempted_requests_get_the_same_bits(llm_default, mode, monkeypatch):
         assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in ref]
     small.engine.kv_cache.check_invariants()
     assert small.engine.kv_cache.num_free_blocks == small.engine.kv_cache.num_blocks
+
+
+def test_server_chat_answers_paris_through_the_official_client(llm_default):
+    """`tokenmill serve` with no flags, the official openai client, a streamed chat at temperature 0:
+    the README's answer, the same text LLM.chat gives."""
+    import openai
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = llm_default.chat(messages, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    engine = llm_default.engine
+    ae = AsyncEngine(engine, max_waiting_requests=16, log_interval=None)
+    srv = BackgroundServer(build_app(ae, ServerConfig())).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, temperature=0,
+                                                max_tokens=64, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        srv.stop(60)
+    assert "Paris" in text and text == ref.text
+    assert not engine.has_unfinished_requests() and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
