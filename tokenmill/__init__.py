@@ -1,8 +1,19 @@
-"""tokenmill: an LLM inference engine with a paged KV cache and continuous batching."""
+"""tokenmill: an LLM inference engine with a paged KV cache and continuous batching.
 
-from tokenmill.engine.llm import LLM
+``LLM`` loads on first use (PEP 562): ``import tokenmill`` and the CLI's ``--help`` do not import torch;
+an engine does, when it is built.
+"""
+
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from tokenmill.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

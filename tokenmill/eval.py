@@ -18,7 +18,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 
@@ -71,6 +70,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_perplexity(a: argparse.Namespace) -> int:
+    import torch  # here, not at the top: `tokenmill --help` builds this parser and must not load torch
+
     from tokenmill.cli import engine_kwargs
     from tokenmill.engine.llm import LLM
 

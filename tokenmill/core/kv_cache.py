@@ -104,6 +104,26 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def size_kv_pool(spec: tuple[str, float], free_bytes: float, block_bytes: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int) -> tuple[int, str]:
+    """How many KV blocks to allocate, and why (for the startup log).
+
+    ``--kv-cache-memory`` as bytes is taken as it is. As a fraction of free memory (the default, 0.1) it
+    is a ceiling: the pool is the smaller of that and what the configuration can use at once,
+    max_num_seqs sequences of max_model_len tokens, so a small model with a short context is not handed
+    gigabytes it cannot fill."""
+    kind, value = spec
+    if kind == "bytes":
+        return int(value // block_bytes), f"--kv-cache-memory {value / 2**20:.0f} MiB"
+    by_fraction = int(value * free_bytes // block_bytes)
+    usable = max_num_seqs * cdiv(max_model_len, block_size)
+    if usable < by_fraction:
+        return usable, (f"what {max_num_seqs} sequences of {max_model_len} tokens can use, under {value:g} of free "
+                        f"memory ({by_fraction * block_bytes / 2**20:.0f} MiB)")
+    return by_fraction, (f"{value:g} of free memory, under what {max_num_seqs} sequences of {max_model_len} tokens "
+                         f"could use ({usable * block_bytes / 2**20:.0f} MiB)")
+
+
 class KVCacheManager:
     """Owns every request's block table; the scheduler asks it for room."""
 

@@ -9,10 +9,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
+_t = time.perf_counter()
+import torch  # noqa: E402 -- timed: the first startup phase
+
+TORCH_IMPORT_S = time.perf_counter() - _t
 
 from tokenmill.config import EngineConfig, parse_memory
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.layers.kernels import cpu_kernels
@@ -47,9 +50,32 @@ class StepStats:
     prefix_cache_hits: int = 0  # of which found cached
 
 
+class StartupPhases:
+    """Times the engine's startup phases and logs each at debug level (``--log-level debug``) with the
+    process's peak resident memory so far: where a slow or large start goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"import torch": TORCH_IMPORT_S}
+        self._t = time.perf_counter()
+        logger.debug("startup: import torch %.3f s", TORCH_IMPORT_S)
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._t
+        self._t = now
+        try:
+            import resource
+
+            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        except ImportError:  # not on this platform
+            peak = "?"
+        logger.debug("startup: %s %.3f s (peak resident %s)", name, self.seconds[name], peak)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        phase = self.startup = StartupPhases()
         self.device = resolve_device(config.device)
         if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
             raise ValueError(
@@ -63,7 +89,9 @@ class LLMEngine:
         # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
-        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization)
+        phase("kernels")
+        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
+                            phase=phase)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -71,27 +99,32 @@ class LLMEngine:
 
         cache = config.cache
         self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
-        kind, value = parse_memory(cache.kv_cache_memory)
-        budget = value * free_memory_bytes(self.device) if kind == "fraction" else value
-        num_blocks = int(budget // (self.kv_bytes_per_token * cache.block_size))
+        block_bytes = self.kv_bytes_per_token * cache.block_size
+        spec = parse_memory(cache.kv_cache_memory)
+        num_blocks, why = size_kv_pool(spec, free_memory_bytes(self.device) if spec[0] == "fraction" else 0,
+                                       block_bytes, cache.block_size, config.scheduler.max_num_seqs,
+                                       self.max_model_len)
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory {cache.kv_cache_memory!r} ({int(budget)} bytes) holds no KV block of "
-                f"{self.kv_bytes_per_token * cache.block_size} bytes; raise --kv-cache-memory"
+                f"kv_cache_memory {cache.kv_cache_memory!r} holds no KV block of {block_bytes} bytes; "
+                "raise --kv-cache-memory"
             )
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
         salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        # Where every token's attention reads only the slots its context has written (the CPU kernels'
+        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
         kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
-                                       cache.kv_cache_dtype)
+                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
+        phase("KV pool")
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
-        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB)",
+        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
-                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * cache.block_size * self.kv_bytes_per_token / 2**20)
+                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
 
     # ---- requests --------------------------------------------------------------------
 

@@ -240,6 +240,36 @@ class QuantizedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt}"
 
 
+class QuantizedEmbedding(torch.nn.Module):
+    """Token embedding lookups from a tied output head's own blocks (a GGUF file's Q8_0 embedding, say):
+    only the looked-up rows are dequantized, so the model holds no float copy of the matrix (113 MB for
+    the default model). The values are those a float copy would hold: the same dequantization."""
+
+    def __init__(self, head: QuantizedLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.fmt = head.fmt
+        object.__setattr__(self, "_head", head)  # not a submodule: the blocks are the head's, counted there
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self._head.qweight  # wherever model.to() moved it
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole matrix as floats (a new tensor; only for code that wants it all)."""
+        return QuantizedTensor.from_kernel_layout(self.qweight, self.fmt, (self.num_embeddings,
+                                                                           self.embedding_dim)).dequantize()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids.reshape(-1))
+        x = QuantizedTensor.from_kernel_layout(rows, self.fmt, (rows.shape[0], self.embedding_dim)).dequantize()
+        return x.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt} (the head's blocks)"
+
+
 def _ops():
     return cpu_kernels()  # cached after the first call
 

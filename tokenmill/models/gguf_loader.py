@@ -8,6 +8,8 @@ RoPE; we undo that so the rotate-half RoPE of the Hugging Face layout applies.
 from __future__ import annotations
 
 import functools
+import mmap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,6 +75,26 @@ def _open_gguf(path: str, mtime_ns: int, size: int):
         return _reader_class()(path)
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _file_view(data: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over a tensor's bytes in the file's memory map, not a copy. Read-only: nothing may
+    write to it (torch warns that it cannot enforce that; every user here reads it once and copies)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data.view(np.uint8).reshape(-1))
+
+
+def release_file_pages(reader) -> None:
+    """Drop this process's mapping of the file's pages (madvise DONTNEED: they stay in the page cache,
+    and are read back from it if a tensor is looked at again). Weights were copied into the model's
+    own layout, so they would only count twice in resident memory."""
+    base = reader.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = base.base
+    mm = getattr(base, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED)
 
 
 def _field(reader, key: str, default=None):
@@ -152,9 +174,10 @@ def dequantize(t) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # np.array: own, writable copy
 
 
-def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader, cfg: ModelConfig,
+                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Every tensor as float32 under its Hugging Face name; those named in ``skip`` (kept as quantized
-    blocks, so never read as floats) come as uninitialized tensors of their shape, not dequantized."""
+    blocks, so never read as floats) come as None: not dequantized, not copied anywhere."""
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
@@ -162,9 +185,9 @@ def gguf_weights(reader, cfg: ModelConfig, skip: frozenset[str] = frozenset()) -
                 continue
             raise GGUFError(f"GGUF tensor {t.name!r} is not understood for architecture {cfg.architecture}")
         if name in skip:
-            w = torch.empty(tuple(int(x) for x in reversed(t.shape)))
-        else:
-            w = dequantize(t)
+            yield name, None
+            continue
+        w = dequantize(t)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             if w.shape[0] != heads * cfg.head_dim:  # else the un-permute's reshape fails obscurely
@@ -196,7 +219,7 @@ def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
         if kind not in KEPT_TYPES or name is None or len(t.shape) != 2:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(n, -1))
+        raw = _file_view(t.data).reshape(n, -1)  # no copy: the kernel layout made from it is the only one
         if kind == "Q4_0":
             raw = q4_0_to_q4_1(raw, k)
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -178,18 +178,25 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load from Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...)."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | None]]) -> None:
+        """Load from Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...). A tensor
+        given as None is kept as quantized blocks (models/quantize.py): its parameter stays untouched."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}  # fused parameter -> parts seen so far
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
+        kept: set[str] = set()  # weights that come as None: their quantized blocks replace them later
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name.startswith("rotary_emb") or "rotary_emb.inv_freq" in name:
                 continue
             parts = name.split(".")
+            if tensor is None:
+                if len(parts) >= 2 and parts[-2] in fused:
+                    name = ".".join(parts[:-2] + [fused[parts[-2]][0], parts[-1]])
+                kept.add(name)
+                continue
             if len(parts) >= 2 and parts[-2] in fused:
                 target, idx = fused[parts[-2]]
                 key = ".".join(parts[:-2] + [target, parts[-1]])
@@ -216,6 +223,6 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             p.data.copy_(tensor)
             loaded.add(name)
-        missing = set(params) - loaded
+        missing = set(params) - loaded - kept
         if pending or missing:
             raise ValueError(f"checkpoint is incomplete: missing {sorted(missing | set(pending))[:8]}")

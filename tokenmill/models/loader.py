@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
 from tokenmill.models.gguf_loader import (gguf_layers_all_kept, gguf_model_config, gguf_quantized_weights,
-                                          gguf_weights, open_gguf)
+                                          gguf_weights, open_gguf, release_file_pages)
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.quantize import kept_weight_names, panel_model, quantize_model
@@ -41,7 +42,9 @@ def resolve_quantization(mode: str, reader, device: torch.device, dtype: torch.d
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               attention_backend: str = "torch", quantization: str = "none") -> LoadedModel:
+               attention_backend: str = "torch", quantization: str = "none",
+               phase: Callable[[str], None] = lambda name: None) -> LoadedModel:
+    """phase(name) is called as each startup phase ends (tokenizer, weights)."""
     raw = reader = None
     if source.format == "gguf":
         reader = open_gguf(source.path)
@@ -51,18 +54,21 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         cfg = hf_model_config(source.path)
         tokenizer = Tokenizer.from_hf_folder(source.path)
         weights = hf_weights(source.path)
+    phase("tokenizer")
     quantization = resolve_quantization(quantization, reader, device, dtype)
     if reader is not None:
         if quantization == "gguf":  # (not a GGUF file: quantize_model says what to do)
             raw = gguf_quantized_weights(reader, cfg)
-        weights = gguf_weights(reader, cfg, frozenset(kept_weight_names(raw, cfg.num_layers) if raw else ()))
+        kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
+        weights = gguf_weights(reader, cfg, frozenset(kept))
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{cfg.max_position_embeddings}")
     max_model_len = max_model_len or cfg.max_position_embeddings
     model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
     model.load_weights(weights)
-    quantize_model(model, quantization, raw)
+    quantize_model(model, quantization, raw,
+                   after_layer=(lambda: release_file_pages(reader)) if reader is not None else (lambda: None))
     if quantization != "none" and (device.type != "cpu" or cpu_kernels() is None):
         why = f"the device is {device}" if device.type != "cpu" else unavailable_reason()
         logger.warning("--quantization %s: no quantized kernels here (%s); weights are dequantized on first "
@@ -77,4 +83,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
             panel_model(model, cpu_kernels())
         model.use_fused_ops(cpu_kernels())
     model.eval()
+    if reader is not None:
+        release_file_pages(reader)  # the weights live in the model's own tensors now
+    phase("weights")
     return LoadedModel(model, cfg, tokenizer, max_model_len, quantization)

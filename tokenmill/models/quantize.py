@@ -9,11 +9,13 @@ Q8_0. Embedding lookups stay float: they read one row per token, not the whole m
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from tokenmill.layers.panel_linear import PanelLinear
-from tokenmill.layers.quant import QUANTIZATIONS, QuantizedLinear, QuantizedTensor, cat_rows, quantize_weight
+from tokenmill.layers.quant import (QUANTIZATIONS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, cat_rows,
+                                    quantize_weight)
 
 logger = logging.getLogger("tokenmill")
 
@@ -29,9 +31,10 @@ def _keeps(parts: list[QuantizedTensor | None]) -> bool:
     return all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1
 
 
-def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int) -> set[str]:
+def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bool = False) -> set[str]:
     """The float weights quantize_model(mode="gguf") never reads, because their blocks are kept; the
-    loader need not dequantize them. (The embedding is read as floats even when it is the tied head.)"""
+    loader need not dequantize them. A tied embedding kept as the head's blocks is looked up from them
+    (QuantizedEmbedding), so it is not read as floats either."""
     names = set()
     for i in range(num_layers):
         for sources in _FUSED.values():
@@ -40,6 +43,8 @@ def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int) -> set[s
                 names.update(parts)
     if "lm_head.weight" in raw:
         names.add("lm_head.weight")
+    if tied and "model.embed_tokens.weight" in raw:
+        names.add("model.embed_tokens.weight")
     return names
 
 
@@ -50,8 +55,10 @@ def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None], mode: str)
     return quantize_weight(float_w, mode), False
 
 
-def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None) -> None:
-    """Replace every decoder linear layer and the output head of ``model`` in place."""
+def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None,
+                   after_layer: Callable[[], None] = lambda: None) -> None:
+    """Replace every decoder linear layer and the output head of ``model`` in place; after_layer() runs
+    as each layer is done (the loader drops the file pages read for it, so they never add up)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
@@ -72,11 +79,14 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
             qw, kept = _pick(lin.weight.data, parts, mode)
             requantized += mode == "gguf" and not kept
             setattr(owner, attr, QuantizedLinear(qw, lin.bias))
+        after_layer()
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     qw, kept = _pick(head.data, [raw.get(head_name)], mode)
     requantized += mode == "gguf" and not kept
     model.head = QuantizedLinear(qw)
+    if kept and model.lm_head is None:  # the tied embedding is the head's own blocks: look rows up there
+        model.embed_tokens = QuantizedEmbedding(model.head)
     if requantized:
         logger.info("--quantization gguf: %d linear layers were not in a kept GGUF format and use Q8_0", requantized)
 

@@ -40,16 +40,19 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtyp
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device, kv_cache_dtype: str = "auto") -> list[tuple[torch.Tensor, ...]]:
+                      device: torch.device, kv_cache_dtype: str = "auto",
+                      zeroed: bool = True) -> list[tuple[torch.Tensor, ...]]:
+    """One (K, V[, K scales, V scales]) per layer. zeroed: the torch attention paths read padding slots
+    under a mask, and 0 * NaN from stale memory would still poison the output; where attention reads
+    only written slots (zeroed=False), the pool is left uninitialized and its pages touched as used."""
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN from stale
-    # memory would still poison the output.
+    new = torch.zeros if zeroed else torch.empty
     if kv_cache_dtype == "auto":
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return [(new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
                 for _ in range(cfg.num_layers)]
     store = KV_STORAGE[kv_cache_dtype]
-    return [(torch.zeros(shape, dtype=store, device=device), torch.zeros(shape, dtype=store, device=device),
-             torch.ones(shape[:3], device=device), torch.ones(shape[:3], device=device))
+    return [(new(shape, dtype=store, device=device), new(shape, dtype=store, device=device),
+             new(shape[:3], device=device), new(shape[:3], device=device))
             for _ in range(cfg.num_layers)]
 
 

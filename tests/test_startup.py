@@ -1,0 +1,76 @@
+"""Startup proportional to the work asked: no torch for `import tokenmill` or `--help`, a KV pool sized by
+what the configuration can use and never cleared (attention reads only written slots), no float copy of a
+tied embedding kept as the head's blocks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import needs_kernels
+
+from tokenmill.core.kv_cache import size_kv_pool
+
+
+@pytest.mark.parametrize("code", ["import tokenmill", "from tokenmill import SamplingParams",
+                                  "import sys; sys.argv = ['tokenmill', '--help']; import tokenmill.cli as c; c.main()",
+                                  "import sys; sys.argv = ['tokenmill', 'serve', '--help']; import tokenmill.cli as c; "
+                                  "c.main()"])
+def test_no_torch_until_an_engine_is_built(code):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "tokenmill" in imported and "torch" not in imported
+
+
+def test_kv_pool_sizing_rule():
+    mib = 2**20
+    # a fraction is a ceiling: 4 sequences of 1000 tokens need 4 x 63 blocks of 16, far under 10% of 8 GiB
+    n, why = size_kv_pool(("fraction", 0.1), 8 * 2**30, mib, 16, max_num_seqs=4, max_model_len=1000)
+    assert n == 4 * 63 and "4 sequences of 1000 tokens" in why
+    # ... and the fraction wins when the configuration could use more
+    n, why = size_kv_pool(("fraction", 0.1), 8 * 2**30, mib, 16, max_num_seqs=256, max_model_len=8192)
+    assert n == int(0.1 * 8 * 2**30 // mib) and "0.1 of free memory" in why
+    # bytes mean what they say
+    n, _ = size_kv_pool(("bytes", 64 * mib), 0, mib, 16, max_num_seqs=1, max_model_len=16)
+    assert n == 64
+
+
+@pytest.mark.slow
+def test_small_configurations_get_small_pools():
+    from tokenmill import LLM
+
+    llm = LLM(max_num_seqs=2, max_model_len=256)
+    assert llm.engine.kv_cache.num_blocks == 2 * 256 // 16
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_the_pool_is_never_read_before_it_is_written(llm_default):
+    """A pool full of NaN (as uncleared memory may be) gives the default engine's very outputs: no
+    attention ever reads a slot its context did not write, through prefills, decodes and prefix hits."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = ["The river carried salt and silver past the mill " * 8 + tail for tail in ("at dawn", "at dusk")]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    ref = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm_default.generate(prompts, sp, use_tqdm=False)]
+    poisoned = LLM(kv_cache_memory="64MiB", max_model_len=2048)
+    for layer in poisoned.engine.runner.kv_caches:
+        for t in layer:
+            t.fill_(float("nan"))
+    got = [poisoned.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in prompts]  # the second hits the cache
+    assert poisoned.engine.kv_cache.stats.hits > 0
+    assert [(o.token_ids, o.logprobs) for o in got] == ref
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_kept_as_blocks_has_no_float_copy(llm_default, llm_fp32):
+    from tokenmill.layers.quant import QuantizedEmbedding
+
+    emb = llm_default.engine.runner.model.embed_tokens
+    if llm_default.engine.quantization != "gguf":
+        pytest.skip("the default is not the GGUF's own blocks here (no kernels)")
+    assert isinstance(emb, QuantizedEmbedding) and not any(True for _ in emb.parameters())
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])
+    assert torch.equal(emb(ids), llm_fp32.engine.runner.model.embed_tokens(ids))
