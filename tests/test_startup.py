@@ -74,3 +74,18 @@ def test_a_tied_embedding_kept_as_blocks_has_no_float_copy(llm_default, llm_fp32
     assert isinstance(emb, QuantizedEmbedding) and not any(True for _ in emb.parameters())
     ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])
     assert torch.equal(emb(ids), llm_fp32.engine.runner.model.embed_tokens(ids))
+
+
+def test_our_gguf_metadata_parse_reads_what_the_gguf_package_reads(gguf_path):
+    """The reader parses arrays as a few parts (not a numpy view per element); every field's contents
+    must equal the package's own reader's, and the tensors likewise."""
+    import gguf
+
+    from tokenmill.models.gguf_loader import open_gguf
+
+    ours, theirs = open_gguf(gguf_path), gguf.GGUFReader(gguf_path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+           [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]

@@ -16,8 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"built-in alias, .gguf file, Hugging Face model folder or hub id org/name (default: {DEFAULT_MODEL})")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; auto: float32 for quantized weights on the CPU kernels (they take float32 "
-                        "activations), bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, else float32")
+                   help="compute dtype; auto: float32 on a CPU where tokenmill's kernels build (every mode batch "
+                        "invariant there), bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX but no kernels, else "
+                        "float32")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
                    help="weights: auto (default: gguf for a GGUF file whose layers are Q4_0/Q4_1/Q8_0, on the CPU "
@@ -52,6 +53,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority policy: seconds a request may wait before it is promoted ahead of all "
                         "others (default 30)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
+    g.add_argument("--speculative-method", default=None, choices=["ngram"],
+                   help="speculative decoding (default off): ngram drafts tokens by prompt lookup over each "
+                        "request's own tokens; the target verifies them in the same step, keeping its "
+                        "distribution exactly (greedy outputs are unchanged)")
+    g.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="most draft tokens per request and step (default 3)")
+    g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match (default 4)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +94,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
-                preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed)
+                preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed,
+                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
+                prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max)
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

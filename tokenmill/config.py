@@ -96,6 +96,35 @@ class SchedulerConfig:
             raise ValueError(f"starvation_timeout must be positive seconds or None, got {self.starvation_timeout!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-method``; off when None): each decoding request gets up to
+    ``num_speculative_tokens`` drafted tokens a step, verified by the target in the same forward pass.
+    ngram: prompt lookup over the request's own tokens, matching its last prompt_lookup_max down to
+    prompt_lookup_min tokens (vLLM's meaning)."""
+
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is None:
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{self.speculative_method!r} (the draft-model drafter is not built yet)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"--num-speculative-tokens must be a positive integer, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {lo}, {hi}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
@@ -106,6 +135,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -123,7 +153,7 @@ class EngineConfig:
         """Build from flat keyword arguments (the LLM and CLI spelling): each goes to the config that has it."""
         kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         parts = {}
-        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig)):
             own = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         unknown = set(kwargs) - {f.name for f in fields(cls)}

@@ -49,6 +49,7 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
     block_table: list[int]
     needs_logits: bool  # this chunk ends the known tokens: sample the next one
+    num_draft_tokens: int = 0  # speculative decoding: token_ids[1:] are drafts to verify (logits for each)
 
 
 @dataclass
@@ -84,8 +85,11 @@ class ModelRunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 proposer=None) -> None:
+        """proposer: a speculative drafter (spec_decode/), asked for drafts for each decoding request."""
         self.config = config
+        self.proposer = proposer
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.policy, config.starvation_timeout)
@@ -166,13 +170,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, budget) if num_new == 1 else []
+            num_new += len(drafts)
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running.pop()  # the policy's last: fcfs most recent, priority least urgent
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                self._emit(req, num_new, out)
+                self._emit(req, num_new - len(drafts), out, drafts)
                 budget -= num_new
                 i += 1
                 continue
@@ -225,21 +231,30 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _emit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: within the step's budget (the drafts count against it),
+        its max_tokens (the last emitted token is the one after the drafts) and the context length."""
+        if self.proposer is None:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
+    def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
         out.scheduled.append(
             ScheduledRequest(
                 req.request_id,
-                req.token_ids_slice(start, start + num_new),
+                req.token_ids_slice(start, start + num_new) + list(drafts),
                 start,
                 self.kv_cache.block_tables[req.request_id],
                 needs_logits,
+                len(drafts),
             )
         )
-        # A single new token after the prompt is a decode; anything else is (re)prefill work.
+        # A single new token after the prompt is a decode (with its drafts); anything else is (re)prefill work.
         if num_new == 1 and start >= req.num_prompt_tokens:
-            out.num_decode_tokens += 1
+            out.num_decode_tokens += 1 + len(drafts)
         else:
             out.num_prefill_tokens += num_new
 
@@ -268,20 +283,29 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             before = req.num_computed_tokens
-            req.num_computed_tokens += len(s.token_ids)
-            if self.kv_cache.enable_prefix_caching and req.num_computed_tokens // bs > before // bs:
-                self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if not s.needs_logits:
-                continue
-            for token in result.sampled_token_ids[s.request_id]:
+            tokens = result.sampled_token_ids.get(s.request_id, []) if s.needs_logits else []
+            # Speculation: the KV of the scheduled token and of the accepted drafts stands (all emitted
+            # tokens but the last are accepted drafts); rejected drafts' slots are simply written again.
+            accepted = len(tokens) - 1 if s.num_draft_tokens else 0
+            req.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens + accepted
+            req.num_accepted_drafts += accepted
+            req.num_drafts += s.num_draft_tokens
+            status = None
+            for token in tokens:
                 req.output_token_ids.append(token)
                 req.timings.token_times.append(now)
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self.running.remove(req)
-                    self._finish(req, status)
-                    finished.append(req)
-                    break
+                    break  # a stop inside an accepted run drops the tokens after it
+            # Blocks are hashed once their tokens are known and accepted (after the outputs above), and
+            # before a finishing request frees them, so they stay cached for the next request.
+            computed = min(req.num_computed_tokens, req.num_tokens)
+            if self.kv_cache.enable_prefix_caching and computed // bs > before // bs:
+                self.kv_cache.cache_full_blocks(req.request_id, req.all_token_ids, computed)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
         return finished
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

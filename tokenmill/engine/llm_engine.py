@@ -25,6 +25,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
 logger = logging.getLogger("tokenmill")
@@ -112,7 +113,11 @@ class LLMEngine:
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
         salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        spec = config.speculative
+        proposer = None
+        if spec.speculative_method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
         # Where every token's attention reads only the slots its context has written (the CPU kernels'
         # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
         kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,

@@ -77,7 +77,8 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    @staticmethod
+    def _penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         raw = logits
         if b.output_ids is not None:
             logits = apply_penalties(logits, b)
@@ -85,6 +86,21 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             for row, ids in b.banned:
                 logits[row, ids] = -float("inf")
+        return logits
+
+    def distributions(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(each row's sampling distribution [N, V], None when every row is greedy; each row's argmax):
+        what speculative verification compares drafts against."""
+        logits = self._penalized(logits, b)
+        greedy_tokens = logits.argmax(-1)
+        if b.all_greedy:
+            return None, greedy_tokens
+        temp = torch.where(b.temperature == 0, 1.0, b.temperature)
+        return apply_top_k_top_p_min_p(logits / temp[:, None], b).softmax(-1), greedy_tokens
+
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        raw = logits
+        logits = self._penalized(logits, b)
         if b.all_greedy:
             tokens = logits.argmax(-1)
         else:

@@ -16,6 +16,7 @@ from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, Schedule
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.spec_decode.rejection import verify_point_drafts
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -113,18 +114,20 @@ class ModelRunner:
         order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
         input_ids, pos_t, meta = self._inputs(order)
 
-        # Logits only for rows that end their request's known tokens.
+        # Logits only for rows that end their request's known tokens, and for each drafted position.
         sample_rows, sample_reqs, offset = [], [], 0
         for s in order:
             offset += len(s.token_ids)
             if s.needs_logits:
-                sample_rows.append(offset - 1)
-                sample_reqs.append(s.request_id)
+                sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
+                sample_reqs.append(s)
         logits_idx = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
         if not sample_reqs:
             return ModelRunnerOutput({})
-        return self._sample(logits, sample_reqs)
+        if any(s.num_draft_tokens for s in sample_reqs):
+            return self._verify(logits, sample_reqs)
+        return self._sample(logits, [s.request_id for s in sample_reqs])
 
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of token_ids ([len - 1, vocab]), computed as one prefill
@@ -207,8 +210,46 @@ class ModelRunner:
                 logprobs[rid] = [(lp[i], top)]
         return ModelRunnerOutput(sampled, logprobs)
 
-    def _sampling_batch(self, states: list[_RequestState]) -> SamplingBatch:
+    def _verify(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        """A step with drafts: each request's rows are its drafted positions and the one after; the
+        drafts are accepted or rejected against the target's distributions (spec_decode/rejection.py),
+        and every request, drafted or not, emits its tokens from those rows."""
+        states, extras = [], []
+        for s in scheduled:
+            st = self.states[s.request_id]
+            drafts = list(s.token_ids[len(s.token_ids) - s.num_draft_tokens:])
+            for j in range(s.num_draft_tokens + 1):  # row j follows the drafts before it
+                states.append(st)
+                extras.append(drafts[:j])
+        batch = self._sampling_batch(states, extras)
+        probs, greedy_tokens = self.sampler.distributions(logits, batch)
+        logprobs = logits.log_softmax(-1) if batch.num_logprobs is not None else None
+        sampled, lps, row = {}, {}, 0
+        for s in scheduled:
+            st = self.states[s.request_id]
+            d = s.num_draft_tokens
+            rows = slice(row, row + d + 1)
+            gen = st.generator if st.generator is not None else self.sampler.generator
+            tokens = verify_point_drafts(probs[rows] if probs is not None else None, greedy_tokens[rows],
+                                         list(s.token_ids[len(s.token_ids) - d:]), st.params.greedy, gen)
+            st.output_token_ids.extend(tokens)
+            sampled[s.request_id] = tokens
+            n = st.params.logprobs
+            if n is not None:
+                lps[s.request_id] = []
+                for j, t in enumerate(tokens):
+                    lp = logprobs[row + j]
+                    top = lp.topk(n) if n else None
+                    lps[s.request_id].append((float(lp[t]), list(zip(top.indices.tolist(), top.values.tolist()))
+                                              if n else []))
+            row += d + 1
+        return ModelRunnerOutput(sampled, lps)
+
+    def _sampling_batch(self, states: list[_RequestState], extras: list[list[int]] | None = None) -> SamplingBatch:
+        """One row per state; extras[i]: tokens that follow row i's outputs so far (a drafted position's
+        earlier drafts), for its penalties and min_tokens."""
         dev = self.device
+        extras = extras or [[] for _ in states]
         ps = [s.params for s in states]
         temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         use_k = any(p.top_k > 0 for p in ps)
@@ -223,13 +264,13 @@ class ModelRunner:
             generators=[s.generator for s in states],
         )
         if any(p.needs_penalties for p in ps):
-            b.output_ids = self._pad([s.output_token_ids for s in states])
+            b.output_ids = self._pad([s.output_token_ids + e for s, e in zip(states, extras)])
             b.prompt_ids = self._pad([s.prompt_token_ids for s in states])
             b.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)
             b.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)
             b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)
-        banned = [(i, s.stop_ids) for i, s in enumerate(states)
-                  if s.stop_ids and len(s.output_token_ids) < s.params.min_tokens]
+        banned = [(i, s.stop_ids) for i, (s, e) in enumerate(zip(states, extras))
+                  if s.stop_ids and len(s.output_token_ids) + len(e) < s.params.min_tokens]
         b.banned = banned or None
         wanted = [p.logprobs for p in ps if p.logprobs is not None]
         b.num_logprobs = max(wanted) if wanted else None

@@ -1,0 +1,146 @@
+"""Speculative decoding: the n-gram drafter, the acceptance rule (the target's distribution exactly), and
+the engine with speculation on giving the very outputs it gives with it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.rejection import verify_point_drafts
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    p = NgramProposer(3, 2, 4)
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 10) == [5, 7, 1]  # latest "1 2 3", longest n
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 2) == [5, 7]  # capped by the room left
+    assert p.propose([5, 6, 7, 8], 10) == []  # nothing recurs
+    assert p.propose([4, 4, 4], 10) == [4]  # "4 4" recurs at 0: one token follows it before the end
+    assert NgramProposer(3, 3, 3).propose([1, 2, 9, 1, 2], 10) == []  # shorter than prompt_lookup_min
+
+
+def test_greedy_acceptance_takes_drafts_while_they_are_the_argmax():
+    greedy = torch.tensor([5, 6, 7, 8])
+    assert verify_point_drafts(None, greedy, [5, 6, 7], True, None) == [5, 6, 7, 8]  # all + bonus
+    assert verify_point_drafts(None, greedy, [5, 1, 7], True, None) == [5, 6]  # the argmax at the miss
+    assert verify_point_drafts(None, greedy[:1], [], True, None) == [5]
+
+
+CHI2_CRITICAL_DF5_P001 = 20.515  # chi-square, 5 degrees of freedom, significance 0.001
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def first_token_counts(rule, p: torch.Tensor, draft: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.stack([p, p])  # the draft position and the one after
+    counts = torch.zeros(len(p))
+    for _ in range(n):
+        counts[rule(probs, probs.argmax(-1), [draft], False, gen)[0]] += 1
+    return counts
+
+
+def wrong_rule(probs, greedy_tokens, drafts, greedy, gen):
+    """Accepts like the right rule but resamples from p itself (draft included) after a rejection."""
+    x = drafts[0]
+    if torch.rand((), generator=gen) < probs[0, x]:
+        return [x]
+    return [int(torch.multinomial(probs[0], 1, generator=gen))]
+
+
+@pytest.mark.parametrize("draft", [0, 3])  # the likeliest token, and an unlikely one
+def test_accepted_or_resampled_tokens_follow_the_target_distribution(draft):
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    counts = first_token_counts(verify_point_drafts, p, draft, 6000, seed=draft)
+    assert chi_square(counts, p) < CHI2_CRITICAL_DF5_P001
+    # negative control: a rule that keeps the draft in the resampling distribution is caught
+    wrong = first_token_counts(wrong_rule, p, draft, 6000, seed=draft)
+    assert chi_square(wrong, p) > CHI2_CRITICAL_DF5_P001
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(speculative_method="ngram", num_speculative_tokens=0), "--num-speculative-tokens"),
+    (dict(speculative_method="ngram", num_speculative_tokens=-2), "--num-speculative-tokens"),
+    (dict(speculative_method="draft"), "not built yet"),
+    (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "--prompt-lookup-min"),
+])
+def test_bad_speculative_flags_are_refused_naming_the_flag(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(**kw)
+
+
+# ---- the real model ------------------------------------------------------------------------------
+
+REPEAT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings "
+          "and arrows of outrageous fortune, or to take arms against a sea of troubles")
+PROMPTS = [f"Copy this line three times.\n{REPEAT}\n{REPEAT}\n", "def add(a, b):\n    return a + b\n\ndef add(",
+           "one two three four one two three four one two", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    from tokenmill import LLM
+
+    return LLM(kv_cache_memory="128MiB", max_model_len=2048, speculative_method="ngram", num_speculative_tokens=4)
+
+
+def outputs(llm, prompts, sp):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.mark.slow
+def test_greedy_outputs_are_the_same_bits_with_speculation(llm_default, spec_llm):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    ref = [outputs(llm_default, [p], sp)[0] for p in PROMPTS]
+    assert [outputs(spec_llm, [p], sp)[0] for p in PROMPTS] == ref  # alone
+    assert outputs(spec_llm, PROMPTS, sp) == ref  # batched
+
+
+@pytest.mark.slow
+def test_speculation_drafts_and_accepts_on_repeating_text(spec_llm):
+    engine = spec_llm.engine
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    req = engine.scheduler.requests[rid]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert req.num_drafts > 0 and req.num_accepted_drafts > 0
+    assert req.num_output_tokens == 48  # max_tokens lands exactly, inside accepted runs or not
+
+
+@pytest.mark.slow
+def test_stops_and_limits_inside_accepted_runs(llm_default, spec_llm):
+    """A stop string or token that lands inside an accepted run ends the output where it would without
+    speculation; max_tokens likewise."""
+    for sp in (SamplingParams(max_tokens=60, temperature=0, stop=["arrows"]),
+               SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+               SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[1004], ignore_eos=True)):
+        assert outputs(spec_llm, PROMPTS[:1], sp) == outputs(llm_default, PROMPTS[:1], sp), sp
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_speculation_repeats_run_to_run(spec_llm):
+    sp = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    assert outputs(spec_llm, PROMPTS, sp) == outputs(spec_llm, PROMPTS, sp)
+
+
+@pytest.mark.slow
+def test_speculation_through_preemption_and_prefix_hits(llm_default):
+    """A pool too small for every request: preempted (recomputed) requests and prefix-cache hits with
+    drafts in flight still give the greedy outputs of the default engine."""
+    from tokenmill import LLM
+
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = PROMPTS + [PROMPTS[0] + "Again:"]
+    ref = [outputs(llm_default, [p], sp)[0] for p in prompts]
+    small = LLM(kv_cache_memory=str(14 * 16 * llm_default.engine.kv_bytes_per_token), max_model_len=2048,
+                speculative_method="ngram", num_speculative_tokens=4)
+    assert outputs(small, prompts, sp) == ref
+    assert small.engine.num_preemptions > 0 and small.engine.kv_cache.stats.hits > 0
+    small.engine.kv_cache.check_invariants()
+    assert small.engine.kv_cache.num_free_blocks == small.engine.kv_cache.num_blocks
