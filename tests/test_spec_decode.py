@@ -17,7 +17,8 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert p.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 10) == [5, 7, 1]  # latest "1 2 3", longest n
     assert p.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3], 2) == [5, 7]  # capped by the room left
     assert p.propose([5, 6, 7, 8], 10) == []  # nothing recurs
-    assert p.propose([4, 4, 4], 10) == [4]  # "4 4" recurs at 0: one token follows it before the end
+    assert p.propose([4, 4, 4], 10) == [4, 4, 4]  # a loop: the copy reads on into itself
+    assert p.propose([7, 1, 2, 1, 2], 10) == [1, 2, 1]
     assert NgramProposer(3, 3, 3).propose([1, 2, 9, 1, 2], 10) == []  # shorter than prompt_lookup_min
 
 
@@ -144,3 +145,63 @@ def test_speculation_through_preemption_and_prefix_hits(llm_default):
     assert small.engine.num_preemptions > 0 and small.engine.kv_cache.stats.hits > 0
     small.engine.kv_cache.check_invariants()
     assert small.engine.kv_cache.num_free_blocks == small.engine.kv_cache.num_blocks
+
+
+def test_the_off_rule_drafts_only_what_pays():
+    from tokenmill.spec_decode.policy import PROBE_EVERY, worthwhile_drafts
+
+    assert worthwhile_drafts(1.0, 0, limit=5) == 5
+    assert worthwhile_drafts(0.8, 0) == 3  # 0.8, 0.64, 0.51 pay; 0.41 does not
+    assert worthwhile_drafts(0.3, 0) == 0
+    assert worthwhile_drafts(0.3, PROBE_EVERY) == 1  # a probe, to notice repetition coming back
+
+
+@pytest.mark.slow
+def test_a_drafter_that_is_always_wrong_is_soon_switched_off(spec_llm, llm_default):
+    class Wrong:
+        def propose(self, token_ids, max_tokens):
+            return [0] * min(4, max_tokens)  # token 0 is never the model's choice here
+
+    sched = spec_llm.engine.scheduler
+    saved, sched.proposer = sched.proposer, Wrong()
+    try:
+        engine = spec_llm.engine
+        sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+        rid = engine.add_request(PROMPTS[3], sp)
+        req = sched.requests[rid]
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        sched.proposer = saved
+    assert req.num_accepted_drafts == 0
+    assert req.num_drafts <= 4 + 64 // 8  # the first step's drafts, then one probe every 8 steps at most
+    assert req.output_token_ids == llm_default.generate([PROMPTS[3]], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_spec_decode_counters_on_metrics(spec_llm):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+
+    ae = AsyncEngine(spec_llm.engine, max_waiting_requests=8, log_interval=None)
+    srv = BackgroundServer(build_app(ae, ServerConfig())).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": PROMPTS[0],
+                                                          "max_tokens": 48, "temperature": 0}, timeout=120)
+        assert r.status_code == 200
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop(60)
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:spec_decode"):
+                samples[(s.name, s.labels.get("position"))] = s.value
+    drafts = samples[("vllm:spec_decode_num_drafts_total", None)]
+    draft_tokens = samples[("vllm:spec_decode_num_draft_tokens_total", None)]
+    accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+    per_pos = [v for (name, pos), v in samples.items() if name.endswith("per_pos_total")]
+    assert 0 < drafts <= draft_tokens and 0 < accepted <= draft_tokens and sum(per_pos) == accepted

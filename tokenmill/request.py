@@ -51,6 +51,8 @@ class Request:
     num_preemptions: int = 0
     num_drafts: int = 0  # speculative decoding: draft tokens proposed for this request, and accepted
     num_accepted_drafts: int = 0
+    draft_acceptance: float = 1.0  # recent per-draft acceptance (spec_decode/policy.py); optimistic at first
+    num_steps_without_drafts: int = 0
     promoted: bool = False  # priority policy: waited past the starvation bound, now ahead of all
     timings: RequestTimings = field(default_factory=RequestTimings)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -29,6 +29,7 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.request_queue import make_queue
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.policy import update_acceptance, worthwhile_drafts
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,8 @@ class Scheduler:
         its max_tokens (the last emitted token is the one after the drafts) and the context length."""
         if self.proposer is None:
             return []
-        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
+                   worthwhile_drafts(req.draft_acceptance, req.num_steps_without_drafts))
         return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
@@ -288,8 +290,13 @@ class Scheduler:
             # tokens but the last are accepted drafts); rejected drafts' slots are simply written again.
             accepted = len(tokens) - 1 if s.num_draft_tokens else 0
             req.num_computed_tokens += len(s.token_ids) - s.num_draft_tokens + accepted
-            req.num_accepted_drafts += accepted
-            req.num_drafts += s.num_draft_tokens
+            if s.num_draft_tokens:
+                req.num_accepted_drafts += accepted
+                req.num_drafts += s.num_draft_tokens
+                req.draft_acceptance = update_acceptance(req.draft_acceptance, accepted, s.num_draft_tokens)
+                req.num_steps_without_drafts = 0
+            elif self.proposer is not None and s.needs_logits:
+                req.num_steps_without_drafts += 1
             status = None
             for token in tokens:
                 req.output_token_ids.append(token)

@@ -210,6 +210,7 @@ class AsyncEngine:
         self._interval_finished = 0
         self._interval_queries = 0  # prefix-cache lookups, in tokens
         self._interval_hits = 0
+        self._interval_drafts = self._interval_draft_tokens = self._interval_accepted = 0  # speculative decoding
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -461,6 +462,10 @@ class AsyncEngine:
         if stats is not None:
             self._interval_queries += stats.prefix_cache_queries
             self._interval_hits += stats.prefix_cache_hits
+            if stats.spec is not None:
+                self._interval_drafts += stats.spec.num_drafts
+                self._interval_draft_tokens += stats.spec.num_draft_tokens
+                self._interval_accepted += stats.spec.num_accepted_tokens
             for obs in self.observers:
                 self._notify(obs.on_step, stats)
         if self.log_interval and now - self._interval_start >= self.log_interval:
@@ -471,9 +476,18 @@ class AsyncEngine:
                 "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
                 self._interval_prompt / dt, self._interval_gen / dt, self._interval_finished, s.num_running,
                 s.num_waiting, 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks,
-                s.num_preemptions, self._prefix_hit_rate_text())
+                s.num_preemptions, self._prefix_hit_rate_text() + self._spec_text())
             self._interval_start, self._interval_prompt, self._interval_gen, self._interval_finished = now, 0, 0, 0
             self._interval_queries = self._interval_hits = 0
+            self._interval_drafts = self._interval_draft_tokens = self._interval_accepted = 0
+
+    def _spec_text(self) -> str:
+        """vLLM's SpecDecoding log line: acceptance rate and mean accepted length (accepted + 1 per draft)."""
+        if self.engine.scheduler.proposer is None or not self._interval_drafts:
+            return ""
+        rate = self._interval_accepted / self._interval_draft_tokens
+        mean_len = 1 + self._interval_accepted / self._interval_drafts
+        return f"; speculative decoding: acceptance rate {100 * rate:.1f}%, mean acceptance length {mean_len:.2f}"
 
     def _prefix_hit_rate_text(self) -> str:
         if not getattr(self.engine.kv_cache, "enable_prefix_caching", False):

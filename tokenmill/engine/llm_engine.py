@@ -26,6 +26,7 @@ from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.stats import SpecStepStats, step_acceptance
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
 logger = logging.getLogger("tokenmill")
@@ -49,6 +50,7 @@ class StepStats:
     num_preemptions: int  # preemptions in this step
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0  # of which found cached
+    spec: SpecStepStats | None = None  # speculative decoding, when on
 
 
 class StartupPhases:
@@ -209,6 +211,8 @@ class LLMEngine:
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
             self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
             pc.queries - queries, pc.hits - hits,
+            step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
+            if self.scheduler.proposer is not None else None,
         ))
         return outputs
 

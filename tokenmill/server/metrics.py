@@ -96,6 +96,12 @@ class ServerMetrics:
                                           "Number of generation tokens processed.", tb)
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+        # speculative decoding (zero while it is off)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
 
     # ---- EngineObserver ----------------------------------------------------------------
 
@@ -114,6 +120,13 @@ class ServerMetrics:
         if stats.prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        spec = stats.spec
+        if spec is not None and spec.num_drafts:
+            self.spec_drafts.inc(spec.num_drafts)
+            self.spec_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_accepted.inc(spec.num_accepted_tokens)
+            for pos, n in enumerate(spec.accepted_per_pos):
+                self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
 
     def on_request_finished(self, output: RequestOutput, now: float) -> None:
         """One observation per sequence (an n=3 request counts 3), as vLLM does with its n fan-out."""

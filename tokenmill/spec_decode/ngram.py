@@ -22,6 +22,11 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
+                # copy what followed, reading on into the copy itself where the match runs into the end
+                # (a loop of period p then drafts all k tokens, not p - 1)
+                src = int(hits[-1]) + n
+                out = ids.tolist()
+                for i in range(k):
+                    out.append(out[src + i])
+                return out[len(ids):]
         return []
