@@ -20,6 +20,7 @@ import statistics
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode.stats import summarize
 
 
 def workloads(llm: LLM, text: str, batch: int) -> dict[str, tuple[list, SamplingParams]]:
@@ -62,15 +63,11 @@ def main() -> None:
                 for label, llm in order:
                     seconds, tokens = run(llm, prompts, sp)
                     rates[label].append(tokens / seconds)
-            spec = [s.spec for s in on.engine.step_stats if s.spec is not None]
-            drafts = sum(s.num_drafts for s in spec)
-            draft_tokens = sum(s.num_draft_tokens for s in spec)
-            per_pos = [sum(s.accepted_per_pos[i] for s in spec) for i in range(k)]
-            acc = sum(per_pos)
+            spec = summarize([s.spec for s in on.engine.step_stats if s.spec is not None])
             a, b = statistics.median(rates["off"]), statistics.median(rates["on"])
-            print(f"| {name} | {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | "
-                  f"{acc / draft_tokens:.1%} | {1 + acc / drafts if drafts else 1:.2f} | "
-                  f"{' '.join(f'{n / drafts:.2f}' for n in per_pos) if drafts else '-'} |", flush=True)
+            print(f"| {name} | {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {spec['spec_acceptance_rate']:.1%} | "
+                  f"{spec['spec_mean_acceptance_length']:.2f} | "
+                  f"{' '.join(f'{r:.2f}' for r in spec['spec_acceptance_rate_per_pos'])} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,8 @@ def test_a_drafter_that_is_always_wrong_is_soon_switched_off(spec_llm, llm_defau
 
 @pytest.mark.slow
 def test_spec_decode_counters_on_metrics(spec_llm):
+    import json
+
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,6 +194,17 @@ def test_spec_decode_counters_on_metrics(spec_llm):
         r = httpx.post(srv.url + "/v1/completions", json={"model": "smollm2-135m-instruct", "prompt": PROMPTS[0],
                                                           "max_tokens": 48, "temperature": 0}, timeout=120)
         assert r.status_code == 200
+        # streamed, an accepted run arrives as one chunk: fewer text chunks than tokens
+        body = {"model": "smollm2-135m-instruct", "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        chunks, usage = 0, None
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    chunks += any(c.get("text") for c in event.get("choices", []))
+                    usage = event.get("usage") or usage
+        assert usage["completion_tokens"] == 48 and 0 < chunks < 48
         text = httpx.get(srv.url + "/metrics", timeout=30).text
     finally:
         srv.stop(60)
@@ -205,3 +218,45 @@ def test_spec_decode_counters_on_metrics(spec_llm):
     accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
     per_pos = [v for (name, pos), v in samples.items() if name.endswith("per_pos_total")]
     assert 0 < drafts <= draft_tokens and 0 < accepted <= draft_tokens and sum(per_pos) == accepted
+
+
+@pytest.mark.slow
+def test_sampled_tokens_with_speculation_carry_the_targets_logprobs(spec_llm, llm_default):
+    """Seeded sampling with drafts in flight: every emitted token's logprob is the target's at its own
+    position (score() over the same text gives the same bits), so each verification read the right row;
+    and some drafts were accepted while sampling."""
+    sp = SamplingParams(max_tokens=40, temperature=0.7, top_k=20, seed=3, ignore_eos=True, logprobs=0)
+    engine = spec_llm.engine
+    ids = spec_llm.tokenizer.encode(PROMPTS[0])
+    rid = engine.add_request(ids, sp)
+    req = engine.scheduler.requests[rid]
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    out = outs[0].outputs[0]
+    assert req.num_accepted_drafts > 0
+    scored = llm_default.engine.score(ids + out.token_ids)[len(ids) - 1:]
+    assert scored.tolist() == [lp[t] for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+@pytest.mark.slow
+def test_n_completions_with_speculation_equal_those_without(llm_default, spec_llm):
+    sampled = spec_llm.generate(PROMPTS[:1], SamplingParams(n=3, max_tokens=24, temperature=0.9, seed=7,
+                                                            ignore_eos=True), use_tqdm=False)[0]
+    assert len(sampled.outputs) == 3 and all(len(o.token_ids) == 24 for o in sampled.outputs)
+    greedy = SamplingParams(n=2, max_tokens=24, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in spec_llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs] == \
+           [o.token_ids for o in llm_default.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs]
+
+
+def test_acceptance_summary():
+    from tokenmill.core.scheduler import ScheduledRequest
+    from tokenmill.spec_decode.stats import step_acceptance, summarize
+
+    sched = [ScheduledRequest("a", [5, 1, 2, 3], 10, [0], True, 3), ScheduledRequest("b", [7], 4, [1], True),
+             ScheduledRequest("c", [9, 9], 8, [2], True, 1)]
+    step = step_acceptance(sched, {"a": [1, 2, 8], "b": [3], "c": [4]}, k=3)  # a: 2 of 3 accepted, c: 0 of 1
+    assert (step.num_drafts, step.num_draft_tokens, step.accepted_per_pos) == (2, 4, [1, 1, 0])
+    s = summarize([step, step])
+    assert s["spec_acceptance_rate"] == 0.5 and s["spec_mean_acceptance_length"] == 2.0
+    assert s["spec_acceptance_rate_per_pos"] == [0.5, 0.5, 0.0]

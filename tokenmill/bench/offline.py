@@ -57,6 +57,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
                      add_special_tokens=False)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
     preempted = llm.engine.num_preemptions
+    llm.engine.step_stats.clear()
     start = time.perf_counter()
     outs = llm.generate([ids for ids, _ in reqs], params, use_tqdm=not a.no_progress, add_special_tokens=False)
     elapsed = time.perf_counter() - start
@@ -72,6 +73,13 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     print(f"{len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s: "
           f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} output tok/s, "
           f"{row['total_token_throughput']:.1f} total tok/s ({row['dtype']})")
+    if llm.engine.scheduler.proposer is not None:
+        from tokenmill.spec_decode.stats import summarize
+
+        row.update(summarize([s.spec for s in llm.engine.step_stats if s.spec is not None]))
+        print(f"speculative decoding: acceptance rate {row['spec_acceptance_rate']:.1%}, mean acceptance length "
+              f"{row['spec_mean_acceptance_length']:.2f}, per position "
+              + " ".join(f"{r:.2f}" for r in row["spec_acceptance_rate_per_pos"]))
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(row, indent=1))
         print(f"saved {a.output_json}", file=sys.stderr)

@@ -28,3 +28,17 @@ def step_acceptance(scheduled, sampled: dict[str, list[int]], k: int) -> SpecSte
         for i in range(len(sampled.get(s.request_id, ())) - 1):
             out.accepted_per_pos[i] += 1
     return out
+
+
+def summarize(steps: list[SpecStepStats]) -> dict:
+    """vLLM's spec-decode summary over some steps: drafts, draft tokens, accepted tokens, the acceptance
+    rate, the mean acceptance length (1 + accepted per draft) and the acceptance rate per position."""
+    drafts = sum(s.num_drafts for s in steps)
+    draft_tokens = sum(s.num_draft_tokens for s in steps)
+    k = max((len(s.accepted_per_pos) for s in steps), default=0)
+    per_pos = [sum(s.accepted_per_pos[i] for s in steps if i < len(s.accepted_per_pos)) for i in range(k)]
+    accepted = sum(per_pos)
+    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens, "spec_num_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "spec_acceptance_rate_per_pos": [n / drafts if drafts else 0.0 for n in per_pos]}
