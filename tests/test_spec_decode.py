@@ -260,3 +260,22 @@ def test_acceptance_summary():
     s = summarize([step, step])
     assert s["spec_acceptance_rate"] == 0.5 and s["spec_mean_acceptance_length"] == 2.0
     assert s["spec_acceptance_rate_per_pos"] == [0.5, 0.5, 0.0]
+
+
+@pytest.mark.slow
+def test_greedy_identity_over_random_batches_and_budgets(llm_default, spec_llm):
+    """The default-mode invariance property, speculation on: random compositions, token budgets (drafts
+    compete with prefill chunks for them) and staggered arrivals give each prompt's greedy tokens and
+    logprobs alone without speculation."""
+    import random
+
+    from test_default_mode import WORDS, run
+
+    rng = random.Random(5)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120))) for _ in range(4)]
+    texts.append(PROMPTS[0])  # one that drafts a lot
+    alone = {t: run(llm_default, [t])[0] for t in texts}
+    for _ in range(4):
+        batch = rng.sample(texts, rng.randint(2, len(texts)))
+        got = run(spec_llm, batch, budget=rng.choice([3, 16, 37, 256]), stagger=rng.randint(0, 3))
+        assert got == [alone[t] for t in batch]
