@@ -73,6 +73,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Ten
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Each row's sampling distribution: temperature (greedy rows at 1), then top-k/top-p/min-p."""
+    temp = torch.where(b.temperature == 0, 1.0, b.temperature)
+    return apply_top_k_top_p_min_p(logits / temp[:, None], b).softmax(-1)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
@@ -93,10 +99,7 @@ class Sampler:
         what speculative verification compares drafts against."""
         logits = self._penalized(logits, b)
         greedy_tokens = logits.argmax(-1)
-        if b.all_greedy:
-            return None, greedy_tokens
-        temp = torch.where(b.temperature == 0, 1.0, b.temperature)
-        return apply_top_k_top_p_min_p(logits / temp[:, None], b).softmax(-1), greedy_tokens
+        return (None if b.all_greedy else _probs(logits, b)), greedy_tokens
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         raw = logits
@@ -114,9 +117,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy = b.temperature == 0
-        temp = torch.where(greedy, 1.0, b.temperature)
-        scaled = apply_top_k_top_p_min_p(logits / temp[:, None], b)
-        probs = scaled.softmax(-1)
+        probs = _probs(logits, b)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p, and lets each
         # seeded row use its own generator without a per-row multinomial.
         noise = torch.empty_like(probs)
