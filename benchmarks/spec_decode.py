@@ -1,11 +1,15 @@
 """Speculative decoding on vs off, same machine, one run: output tokens/s at batch 1, 8 and 32 on text
 where n-grams recur and on random prompts, with acceptance rates per draft position.
 
-Both engines are the default configuration; one adds --speculative-method ngram. Each point runs the same
-greedy requests on both (alternating which goes first, --rounds times; medians), so their outputs are
-identical and only the time differs.
+--method ngram (default): both engines are the default configuration; one adds --speculative-method
+ngram. --method draft: both are the float model (--quantization none, the exact reference); one adds the
+same file on its own blocks as the draft model (--speculative-model), and a third column runs that
+quantized model alone for scale. Each point runs the same greedy requests on both (alternating which goes
+first, --rounds times; medians), so their outputs are identical and only the time differs.
 
     python benchmarks/spec_decode.py --dataset ../shared/data/tinyshakespeare.txt
+    python benchmarks/spec_decode.py --dataset ../shared/data/tinyshakespeare.txt --method draft \
+        --num-speculative-tokens 12
 
 Workloads: "recurring": chat requests asking to copy a 400-character passage of --dataset (the answer
 repeats the prompt: prompt lookup has something to find); "random": 64 random token ids, 128 tokens
@@ -46,14 +50,22 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     args = ap.parse_args()
     text = open(args.dataset, encoding="utf-8").read()
     kw = dict(kv_cache_memory="512MiB", max_model_len=2048)
-    off = LLM(**kw)
-    on = LLM(**kw, speculative_method="ngram", num_speculative_tokens=args.num_speculative_tokens)
     k = args.num_speculative_tokens
+    drafter = None
+    if args.method == "ngram":
+        off = LLM(**kw)
+        on = LLM(**kw, speculative_method="ngram", num_speculative_tokens=k)
+    else:
+        off = LLM(**kw, quantization="none")
+        on = LLM(**kw, quantization="none", speculative_model=off.engine.model_path, num_speculative_tokens=k)
+        drafter = LLM(**kw)
     print(f"| workload | batch | off tok/s | on tok/s | on / off | acceptance rate | mean accepted length "
-          f"| accepted at positions 1..{k} (of drafts) |\n|---|---|---|---|---|---|---|---|")
+          f"| accepted at positions 1..{k} (of drafts) |" + (" drafter alone tok/s |" if drafter else "")
+          + "\n|---|---|---|---|---|---|---|---|" + ("---|" if drafter else ""))
     for batch in args.batches:
         for name, (prompts, sp) in workloads(off, text, batch).items():
             rates = {"off": [], "on": []}
@@ -65,9 +77,13 @@ def main() -> None:
                     rates[label].append(tokens / seconds)
             spec = summarize([s.spec for s in on.engine.step_stats if s.spec is not None])
             a, b = statistics.median(rates["off"]), statistics.median(rates["on"])
+            alone = ""
+            if drafter is not None:
+                seconds, tokens = run(drafter, prompts, sp)
+                alone = f" {tokens / seconds:.1f} |"
             print(f"| {name} | {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {spec['spec_acceptance_rate']:.1%} | "
                   f"{spec['spec_mean_acceptance_length']:.2f} | "
-                  f"{' '.join(f'{r:.2f}' for r in spec['spec_acceptance_rate_per_pos'])} |", flush=True)
+                  f"{' '.join(f'{r:.2f}' for r in spec['spec_acceptance_rate_per_pos'])} |{alone}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ import torch
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.rejection import verify_point_drafts
+from tokenmill.spec_decode.rejection import verify_drafts
+
+DEFAULT = "smollm2-135m-instruct"
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -24,9 +26,9 @@ def test_ngram_proposes_what_followed_the_latest_match():
 
 def test_greedy_acceptance_takes_drafts_while_they_are_the_argmax():
     greedy = torch.tensor([5, 6, 7, 8])
-    assert verify_point_drafts(None, greedy, [5, 6, 7], True, None) == [5, 6, 7, 8]  # all + bonus
-    assert verify_point_drafts(None, greedy, [5, 1, 7], True, None) == [5, 6]  # the argmax at the miss
-    assert verify_point_drafts(None, greedy[:1], [], True, None) == [5]
+    assert verify_drafts(None, greedy, [5, 6, 7], True, None) == [5, 6, 7, 8]  # all + bonus
+    assert verify_drafts(None, greedy, [5, 1, 7], True, None) == [5, 6]  # the argmax at the miss
+    assert verify_drafts(None, greedy[:1], [], True, None) == [5]
 
 
 CHI2_CRITICAL_DF5_P001 = 20.515  # chi-square, 5 degrees of freedom, significance 0.001
@@ -35,6 +37,38 @@ CHI2_CRITICAL_DF5_P001 = 20.515  # chi-square, 5 degrees of freedom, significanc
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_drafts_sampled_from_q_are_accepted_by_p_over_q():
+    """Drafts drawn from a drafter's distribution q (not p), accepted with min(1, p/q) and resampled from
+    max(0, p - q): the emitted token follows p, and more drafts are accepted than by the point-draft rule
+    (accept with p(x), also exact for any drafts); resampling from p itself after a rejection is caught."""
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    q = torch.tensor([0.3, 0.2, 0.3, 0.05, 0.05, 0.1])
+    probs = torch.stack([p, p])
+
+    def wrong(probs, greedy_tokens, drafts, greedy, gen, q):  # min(1, p/q), then p instead of the residual
+        x = drafts[0]
+        if torch.rand((), generator=gen) * q[0, x] < probs[0, x]:
+            return [x]
+        return [int(torch.multinomial(probs[0], 1, generator=gen))]
+
+    def counts(rule, q_for_rule):
+        gen = torch.Generator().manual_seed(5)
+        out, accepted = torch.zeros(len(p)), 0
+        for _ in range(6000):
+            x = int(torch.multinomial(q, 1, generator=gen))
+            emitted = rule(probs, probs.argmax(-1), [x], False, gen, q_for_rule)
+            out[emitted[0]] += 1
+            accepted += len(emitted) - 1
+        return out, accepted
+
+    with_q, accepted_q = counts(verify_drafts, q[None])
+    point, accepted_point = counts(verify_drafts, None)
+    assert chi_square(with_q, p) < CHI2_CRITICAL_DF5_P001
+    assert chi_square(point, p) < CHI2_CRITICAL_DF5_P001
+    assert accepted_q > 1.5 * accepted_point  # sum min(p, q) = 0.85 against sum q p = 0.25
+    assert chi_square(counts(wrong, q[None])[0], p) > CHI2_CRITICAL_DF5_P001
 
 
 def first_token_counts(rule, p: torch.Tensor, draft: int, n: int, seed: int) -> torch.Tensor:
@@ -57,7 +91,7 @@ def wrong_rule(probs, greedy_tokens, drafts, greedy, gen):
 @pytest.mark.parametrize("draft", [0, 3])  # the likeliest token, and an unlikely one
 def test_accepted_or_resampled_tokens_follow_the_target_distribution(draft):
     p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
-    counts = first_token_counts(verify_point_drafts, p, draft, 6000, seed=draft)
+    counts = first_token_counts(verify_drafts, p, draft, 6000, seed=draft)
     assert chi_square(counts, p) < CHI2_CRITICAL_DF5_P001
     # negative control: a rule that keeps the draft in the resampling distribution is caught
     wrong = first_token_counts(wrong_rule, p, draft, 6000, seed=draft)
@@ -67,7 +101,9 @@ def test_accepted_or_resampled_tokens_follow_the_target_distribution(draft):
 @pytest.mark.parametrize("kw,match", [
     (dict(speculative_method="ngram", num_speculative_tokens=0), "--num-speculative-tokens"),
     (dict(speculative_method="ngram", num_speculative_tokens=-2), "--num-speculative-tokens"),
-    (dict(speculative_method="draft"), "not built yet"),
+    (dict(speculative_method="draft"), "--speculative-model"),
+    (dict(speculative_method="ngram", speculative_model="smollm2-135m-instruct"), "--speculative-model"),
+    (dict(speculative_model="smollm2-135m-instruct", speculative_quantization="int3"), "--speculative-quantization"),
     (dict(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "--prompt-lookup-min"),
 ])
 def test_bad_speculative_flags_are_refused_naming_the_flag(kw, match):
@@ -154,16 +190,26 @@ def test_the_off_rule_drafts_only_what_pays():
     assert worthwhile_drafts(0.8, 0) == 3  # 0.8, 0.64, 0.51 pay; 0.41 does not
     assert worthwhile_drafts(0.3, 0) == 0
     assert worthwhile_drafts(0.3, PROBE_EVERY) == 1  # a probe, to notice repetition coming back
+    assert worthwhile_drafts(0.9, 0, draft_cost=0.25) == 13  # 0.9^13 = 0.254: a cheap draft pays longer
+    assert worthwhile_drafts(1.0, PROBE_EVERY, draft_cost=1.2) == 0  # a draft dearer than a step never pays
+
+
+def test_the_draft_cost_is_measured_from_step_times():
+    from tokenmill.spec_decode.policy import measure_draft_cost
+
+    step = {1: 10.0, 5: 18.0}  # a 5-token verification step costs 1.8 decode steps
+    assert measure_draft_cost(step.__getitem__, None, 4) == pytest.approx(0.2)  # n-gram: verification only
+    assert measure_draft_cost(step.__getitem__, lambda: 2.5, 4) == pytest.approx(0.45)  # + a drafter pass
 
 
 @pytest.mark.slow
 def test_a_drafter_that_is_always_wrong_is_soon_switched_off(spec_llm, llm_default):
-    class Wrong:
+    class Wrong(NgramProposer):
         def propose(self, token_ids, max_tokens):
             return [0] * min(4, max_tokens)  # token 0 is never the model's choice here
 
     sched = spec_llm.engine.scheduler
-    saved, sched.proposer = sched.proposer, Wrong()
+    saved, sched.proposer = sched.proposer, Wrong(4, 2, 4)
     try:
         engine = spec_llm.engine
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -279,3 +325,146 @@ def test_greedy_identity_over_random_batches_and_budgets(llm_default, spec_llm):
         batch = rng.sample(texts, rng.randint(2, len(texts)))
         got = run(spec_llm, batch, budget=rng.choice([3, 16, 37, 256]), stagger=rng.randint(0, 3))
         assert got == [alone[t] for t in batch]
+
+
+# ---- the draft-model drafter ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def draft_llm():
+    """The lossless pair: float weights as the target, the same file's own blocks as the drafter."""
+    from tokenmill import LLM
+
+    return LLM(DEFAULT, dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048,
+               speculative_model=DEFAULT, num_speculative_tokens=5)
+
+
+@pytest.mark.slow
+def test_draft_model_keeps_the_float_targets_greedy_bits(llm_fp32, draft_llm):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    ref = [outputs(llm_fp32, [p], sp)[0] for p in PROMPTS]
+    draft_llm.engine.step_stats.clear()
+    assert [outputs(draft_llm, [p], sp)[0] for p in PROMPTS] == ref  # alone
+    assert outputs(draft_llm, PROMPTS, sp) == ref  # batched
+    from tokenmill.spec_decode.stats import summarize
+
+    spec = summarize([s.spec for s in draft_llm.engine.step_stats if s.spec is not None])
+    assert spec["spec_acceptance_rate"] > 0.8, spec  # the quantized copy agrees with the float model
+    kv = draft_llm.engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not draft_llm.engine.scheduler.proposer.cached
+
+
+@pytest.mark.slow
+def test_draft_model_through_preemption_prefix_hits_stops_and_seeds(llm_fp32, draft_llm):
+    from tokenmill import LLM
+
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = PROMPTS + [PROMPTS[0] + "Again:"]
+    ref = [outputs(llm_fp32, [p], sp)[0] for p in prompts]
+    # the pool holds target and drafter KV per block: 14 blocks' worth of both
+    small = LLM(DEFAULT, dtype="float32", quantization="none", max_model_len=2048, speculative_model=DEFAULT,
+                num_speculative_tokens=4, kv_cache_memory=str(14 * 16 * draft_llm.engine.kv_bytes_per_token))
+    assert small.engine.kv_bytes_per_token == 2 * llm_fp32.engine.kv_bytes_per_token
+    assert outputs(small, prompts, sp) == ref
+    assert small.engine.num_preemptions > 0 and small.engine.kv_cache.stats.hits > 0
+    assert small.engine.kv_cache.num_free_blocks == small.engine.kv_cache.num_blocks
+    stop = SamplingParams(max_tokens=60, temperature=0, stop=["arrows"])
+    assert outputs(draft_llm, PROMPTS[:1], stop) == outputs(llm_fp32, PROMPTS[:1], stop)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True, n=2)
+    first = [[c.token_ids for c in o.outputs] for o in draft_llm.generate(PROMPTS, seeded, use_tqdm=False)]
+    assert first == [[c.token_ids for c in o.outputs] for o in draft_llm.generate(PROMPTS, seeded, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """Two tiny random models on one tokenizer: the target and a drafter that disagrees with it."""
+    from tiny_models import random_hf_model, save_hf_folder
+
+    root = tmp_path_factory.mktemp("spec")
+    target = random_hf_model(seed=0, embed_std=0.3)
+    save_hf_folder(target, root / "target")
+    save_hf_folder(random_hf_model(seed=1, embed_std=0.3), root / "drafter")
+    return target, root / "target", root / "drafter"
+
+
+def chi2_critical_p001(df: int) -> float:
+    """The chi-square quantile at 0.999 (Wilson-Hilferty; within 1% for df >= 3)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + 3.0902 * h ** 0.5) ** 3
+
+
+def _top_k_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
+    keep = logits >= logits.topk(k).values[-1]
+    return torch.where(keep, logits, torch.tensor(float("-inf"))).softmax(-1).double()
+
+
+@pytest.mark.slow
+def test_sampled_outputs_with_a_draft_model_follow_the_target_distribution(tiny_pair, monkeypatch):
+    """Engine level: seeded samples of the 2nd and 3rd tokens (drafted by a model that disagrees with the
+    target, verified in the batch) against their exact marginals under the target alone, by chi-square;
+    a verifier that accepts every sampled draft is caught."""
+    from tiny_models import hf_logits
+
+    from tokenmill import LLM
+
+    target, target_dir, drafter_dir = tiny_pair
+    prompt, K, N = [5, 77, 140, 9], 6, 1500
+    # exact: P(t2) and P(t3) summed over the paths before them, with top-k K at temperature 1
+    p1 = _top_k_probs(hf_logits(target, prompt)[-1], K)
+    p2, p3 = torch.zeros_like(p1), torch.zeros_like(p1)
+    for a in p1.nonzero().flatten().tolist():
+        pa = _top_k_probs(hf_logits(target, prompt + [a])[-1], K)
+        p2 += p1[a] * pa
+        for b in pa.nonzero().flatten().tolist():
+            p3 += p1[a] * pa[b] * _top_k_probs(hf_logits(target, prompt + [a, b])[-1], K)
+    llm = LLM(str(target_dir), speculative_model=str(drafter_dir), num_speculative_tokens=2,
+              kv_cache_memory="16MiB", max_num_seqs=64)
+    llm.engine.scheduler.proposer.draft_cost = 0.0  # always draft, whatever the acceptance
+
+    def sample_counts():
+        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=i, ignore_eos=True) for i in range(N)]
+        outs = llm.generate([prompt] * N, params, use_tqdm=False)
+        c2, c3 = torch.zeros_like(p1), torch.zeros_like(p1)
+        for o in outs:
+            t = o.outputs[0].token_ids
+            c2[t[1]] += 1
+            c3[t[2]] += 1
+        return c2, c3
+
+    def chi2(counts, probs):  # cells expected under 5 pooled into one
+        expected = probs * counts.sum()
+        big = expected >= 5
+        e = torch.cat([expected[big], expected[~big].sum()[None]])
+        c = torch.cat([counts[big], counts[~big].sum()[None]])
+        keep = e > 0
+        if c[~keep].sum() > 0:  # a token the target can never emit
+            return float("inf"), int(keep.sum()) - 1
+        return float(((c[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1
+
+    c2, c3 = sample_counts()
+    drafted = sum(s.spec.num_draft_tokens for s in llm.engine.step_stats if s.spec is not None)
+    assert drafted >= N  # every request's second step carried a draft
+    for counts, probs in ((c2, p2), (c3, p3)):
+        stat, df = chi2(counts, probs)
+        assert stat < chi2_critical_p001(df), (stat, df)
+
+    import tokenmill.worker.model_runner as mr
+
+    real = mr.verify_drafts
+    def accept_all(probs, greedy_tokens, drafts, greedy, gen, q=None):  # the wrong rule: t2 follows the drafter
+        d = len(drafts)
+        return list(drafts) + real(probs[d:], greedy_tokens[d:], [], greedy, gen)
+
+    monkeypatch.setattr(mr, "verify_drafts", accept_all)
+    c2, _ = sample_counts()
+    stat, df = chi2(c2, p2)
+    assert stat > chi2_critical_p001(df), (stat, df)
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary_and_fit_its_context(tiny_pair):
+    from tokenmill import LLM
+
+    _, target_dir, drafter_dir = tiny_pair
+    with pytest.raises(ValueError, match="different vocabulary"):
+        LLM(str(target_dir), speculative_model=DEFAULT, kv_cache_memory="16MiB")
+    with pytest.raises(ValueError, match="--num-speculative-tokens"):
+        LLM(str(target_dir), speculative_model=str(drafter_dir), num_speculative_tokens=300, kv_cache_memory="16MiB")

@@ -53,10 +53,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority policy: seconds a request may wait before it is promoted ahead of all "
                         "others (default 30)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
-    g.add_argument("--speculative-method", default=None, choices=["ngram"],
+    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (default off): ngram drafts tokens by prompt lookup over each "
-                        "request's own tokens; the target verifies them in the same step, keeping its "
-                        "distribution exactly (greedy outputs are unchanged)")
+                        "request's own tokens, draft by a smaller model (--speculative-model); the target "
+                        "verifies them in the same step, keeping its distribution exactly (greedy outputs are "
+                        "unchanged)")
+    g.add_argument("--speculative-model", default=None,
+                   help="the draft model (implies --speculative-method draft): a name as --model takes it, a "
+                        ".gguf file or a Hugging Face folder with the target's tokenizer; e.g. the target with "
+                        "--quantization none and the same file as drafter serves float outputs at close to "
+                        "quantized speed")
+    g.add_argument("--speculative-quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                   help="the draft model's weights, as --quantization (default auto)")
     g.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="most draft tokens per request and step (default 3)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
@@ -96,7 +104,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
                 preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed,
                 speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-                prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max)
+                prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
+                speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization)
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

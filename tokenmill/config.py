@@ -96,7 +96,7 @@ class SchedulerConfig:
             raise ValueError(f"starvation_timeout must be positive seconds or None, got {self.starvation_timeout!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -104,25 +104,40 @@ class SpeculativeConfig:
     """Speculative decoding (``--speculative-method``; off when None): each decoding request gets up to
     ``num_speculative_tokens`` drafted tokens a step, verified by the target in the same forward pass.
     ngram: prompt lookup over the request's own tokens, matching its last prompt_lookup_max down to
-    prompt_lookup_min tokens (vLLM's meaning)."""
+    prompt_lookup_min tokens (vLLM's meaning). draft: a smaller (or more quantized) model sharing the
+    target's vocabulary, ``speculative_model``, loaded with weights ``speculative_quantization``; giving
+    a speculative_model alone implies draft."""
 
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    speculative_model: str | None = None
+    speculative_quantization: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.speculative_method is None and self.speculative_model is not None:
+            object.__setattr__(self, "speculative_method", "draft")
         if self.speculative_method is None:
             return
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
-                             f"{self.speculative_method!r} (the draft-model drafter is not built yet)")
+                             f"{self.speculative_method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"--num-speculative-tokens must be a positive integer, got {k!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"--prompt-lookup-min/--prompt-lookup-max must satisfy 1 <= min <= max, got {lo}, {hi}")
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("--speculative-method draft needs a draft model: pass --speculative-model (a model name "
+                             "as --model takes it, a .gguf file or a Hugging Face folder, sharing the target's "
+                             "vocabulary)")
+        if self.speculative_method == "ngram" and self.speculative_model is not None:
+            raise ValueError("--speculative-model is for --speculative-method draft; ngram drafts need no model")
+        if self.speculative_quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"--speculative-quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.speculative_quantization!r}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ No tensors here: the simulator and the CPU tests drive this exact code.
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
@@ -51,6 +52,7 @@ class ScheduledRequest:
     block_table: list[int]
     needs_logits: bool  # this chunk ends the known tokens: sample the next one
     num_draft_tokens: int = 0  # speculative decoding: token_ids[1:] are drafts to verify (logits for each)
+    draft_probs: Any = None  # the [drafts, vocab] distributions sampled drafts came from; None: point drafts
 
 
 @dataclass
@@ -88,7 +90,9 @@ class ModelRunnerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
-        """proposer: a speculative drafter (spec_decode/), asked for drafts for each decoding request."""
+        """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
+        request and step, each costing ``proposer.draft_cost`` decode steps (the off rule's c): ``propose_batch`` is asked once a step for the
+        drafts of every decoding request that may draft, ``finish`` when a request ends."""
         self.config = config
         self.proposer = proposer
         self.kv_cache = kv_cache
@@ -148,6 +152,8 @@ class Scheduler:
         req.timings.finished = self.clock()
         self.kv_cache.free(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
+        if self.proposer is not None:
+            self.proposer.finish(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
@@ -166,24 +172,33 @@ class Scheduler:
         self.waiting.promote_starved(now)
         self.waiting.order_running(self.running)
 
-        # 1. Running requests: decodes (one token) and unfinished chunked prefills.
+        # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
+        # drafting request reserves slots for its drafts now; they are proposed once all are known.
+        drafting: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, budget) if num_new == 1 else []
-            num_new += len(drafts)
+            room = self._draft_room(req, budget) if num_new == 1 else 0
+            if room and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + room) is None:
+                room = 0  # drafts never preempt anyone: without room for them, the request just decodes
+            num_new += room
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running.pop()  # the policy's last: fcfs most recent, priority least urgent
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                self._emit(req, num_new - len(drafts), out, drafts)
+                if room:
+                    drafting.append((req, room))
+                else:
+                    self._emit(req, num_new, out)
                 budget -= num_new
                 i += 1
                 continue
             break  # req itself was preempted: nothing after it is left to schedule
+        if drafting:
+            budget += self._emit_drafted(drafting, out)
 
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
@@ -232,16 +247,31 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request: within the step's budget (the drafts count against it),
-        its max_tokens (the last emitted token is the one after the drafts) and the context length."""
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
+        within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
+        one after the drafts) and the context length."""
         if self.proposer is None:
-            return []
-        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
-                   worthwhile_drafts(req.draft_acceptance, req.num_steps_without_drafts))
-        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+            return 0
+        return max(0, min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                          self.max_model_len - req.num_tokens - 1,
+                          worthwhile_drafts(req.draft_acceptance, req.num_steps_without_drafts, self.proposer.k,
+                                            self.proposer.draft_cost)))
 
-    def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
+    def _emit_drafted(self, drafting: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+        """Ask the drafter for every drafting request at once (a draft model batches its passes) and
+        schedule each with its drafts; returns the reserved budget the drafter did not use."""
+        tables = self.kv_cache.block_tables
+        proposals = self.proposer.propose_batch([(req, room, tables[req.request_id]) for req, room in drafting])
+        unused = 0
+        for (req, room), (drafts, probs) in zip(drafting, proposals):
+            drafts = list(drafts)[:room]
+            unused += room - len(drafts)
+            self._emit(req, 1, out, drafts, probs if drafts else None)
+        return unused
+
+    def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = (),
+              draft_probs: Any = None) -> None:
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
         out.scheduled.append(
@@ -252,6 +282,7 @@ class Scheduler:
                 self.kv_cache.block_tables[req.request_id],
                 needs_logits,
                 len(drafts),
+                draft_probs,
             )
         )
         # A single new token after the prompt is a decode (with its drafts); anything else is (re)prefill work.

@@ -25,7 +25,9 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.policy import measure_draft_cost
 from tokenmill.spec_decode.stats import SpecStepStats, step_acceptance
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
@@ -100,11 +102,20 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.quantization = loaded.quantization  # "auto" resolved
 
+        spec = config.speculative
+        if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
+            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
+                             f"{self.max_model_len}-token context; use fewer")
+        draft = self._load_drafter(spec, phase) if spec.speculative_method == "draft" else None
+
         cache = config.cache
+        # The drafter's KV rides on the target's blocks: one pool, sized for both per block.
         self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
+        if draft is not None:
+            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
         block_bytes = self.kv_bytes_per_token * cache.block_size
-        spec = parse_memory(cache.kv_cache_memory)
-        num_blocks, why = size_kv_pool(spec, free_memory_bytes(self.device) if spec[0] == "fraction" else 0,
+        budget = parse_memory(cache.kv_cache_memory)
+        num_blocks, why = size_kv_pool(budget, free_memory_bytes(self.device) if budget[0] == "fraction" else 0,
                                        block_bytes, cache.block_size, config.scheduler.max_num_seqs,
                                        self.max_model_len)
         if num_blocks < 1:
@@ -115,23 +126,66 @@ class LLMEngine:
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
         salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
-        spec = config.speculative
-        proposer = None
-        if spec.speculative_method == "ngram":
-            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
         # Where every token's attention reads only the slots its context has written (the CPU kernels'
         # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
         kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
                                        cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
+        proposer = None
+        if spec.speculative_method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif draft is not None:
+            draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
+                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
+            proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
+                                                      config.seed + 1), cache.block_size,
+                                          spec.num_speculative_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
         phase("KV pool")
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        if proposer is not None:
+            proposer.draft_cost = self._measure_draft_cost(proposer)
+            phase("speculative off rule")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self._ids = itertools.count()
         logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
+
+    def _load_drafter(self, spec, phase):
+        """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
+        and to reach its context length."""
+        source = resolve_model(spec.speculative_model)
+        draft = load_model(source, self.dtype, self.device, quantization=spec.speculative_quantization)
+        ours, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
+        if draft.config.vocab_size != self.model_config.vocab_size or ours != theirs:
+            raise ValueError(
+                f"--speculative-model {spec.speculative_model!r} has a different vocabulary from the target "
+                f"({draft.config.vocab_size} vs {self.model_config.vocab_size} ids, "
+                f"{len(set(ours.items()) ^ set(theirs.items()))} entries differ): a draft model must share the "
+                "target's tokenizer")
+        if draft.max_model_len < self.max_model_len:
+            raise ValueError(f"--speculative-model reaches {draft.max_model_len} tokens of context, the target "
+                             f"{self.max_model_len}: pass --max-model-len {draft.max_model_len} or less")
+        phase("draft model")
+        logger.info("speculative decoding: draft model %s (%s, weights %s), up to %d drafts per step",
+                    source.name, draft.config.architecture, draft.quantization, spec.num_speculative_tokens)
+        return draft
+
+    @torch.inference_mode()
+    def _measure_draft_cost(self, proposer) -> float:
+        """The off rule's c on this machine: a draft's share of a decode step (spec_decode/policy.py)."""
+        k = proposer.k
+        table = self.kv_cache.allocate_slots("__probe__", 1 + k)
+        try:
+            drafter = getattr(proposer, "runner", None)
+            c = measure_draft_cost(lambda n: self.runner.time_forward(n, table),
+                                   None if drafter is None else lambda: drafter.time_forward(1, table), k)
+        finally:
+            self.kv_cache.free("__probe__")
+        logger.info("speculative decoding: one draft costs %.2f decode steps here (drafts stop paying below "
+                    "that acceptance)", c)
+        return c
 
     # ---- requests --------------------------------------------------------------------
 

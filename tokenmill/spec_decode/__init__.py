@@ -1,11 +1,16 @@
 """Speculative decoding: drafters propose tokens, the target verifies them in the scheduler's batch.
 
 - ``ngram.py``: prompt lookup over a request's own tokens (no model).
+- ``draft_model.py``: a smaller model on the target's vocabulary, its KV on the target's block ids.
 - ``rejection.py``: the acceptance rule that keeps the target's distribution exactly.
+- ``policy.py``: the off rule (how many drafts pay), with the draft cost measured at startup.
+- ``stats.py``: vLLM's acceptance counters.
 
-A drafter is anything with ``propose(token_ids, max_tokens) -> list[int]``, called by the scheduler
-for each decoding request. A draft model (or an EAGLE-style head, or a suffix tree) goes behind the same
-interface: one that needs a forward pass of its own would batch its requests' proposals in one call
-(``propose_batch``) from the engine step, before ``Scheduler.schedule``; the scheduler and the
-verification stay as they are.
+A drafter has ``k`` (most drafts per request and step), ``draft_cost`` (set by the engine),
+``propose_batch([(request, most drafts, block table), ...]) -> [(drafts, q or None), ...]``, called by
+the scheduler once a step for every decoding request that may draft, and ``finish(request_id)``. A third
+drafter goes here behind the same interface without touching the scheduler or the verifier: an
+EAGLE-style head would be a ``draft_model``-like proposer whose runner reads the target's last hidden
+states (the runner would keep them per request), a suffix tree an ``ngram``-like one over a shared
+tree of earlier outputs.
 """

@@ -6,10 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenmill.spec_decode.policy import DRAFT_COST
+
 
 class NgramProposer:
     def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = num_tokens, min_n, max_n
+        self.draft_cost = DRAFT_COST  # the engine measures it (spec_decode/policy.py)
+
+    def propose_batch(self, batch) -> list[tuple[list[int], None]]:
+        """batch: (request, most drafts, block table) per decoding request; point drafts (no q)."""
+        return [(self.propose(req.all_token_ids, room), None) for req, room, _ in batch]
+
+    def finish(self, request_id: str) -> None:
+        pass  # no per-request state
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         k = min(self.k, max_tokens)

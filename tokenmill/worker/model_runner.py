@@ -6,6 +6,7 @@ history for penalties, private generator). Only plain data comes in and goes out
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +17,7 @@ from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, Schedule
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.spec_decode.rejection import verify_point_drafts
+from tokenmill.spec_decode.rejection import verify_drafts
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -136,6 +137,18 @@ class ModelRunner:
         input_ids, pos_t, meta = self._inputs([s])
         return self.model(input_ids, pos_t, self.kv_caches, meta, pos_t[:-1])
 
+    def time_forward(self, num_tokens: int, block_table: list[int], repeats: int = 3) -> float:
+        """Median seconds of a forward pass over num_tokens of one request at position 0 (logits for
+        each), after a warm-up: what the speculative off rule is calibrated with."""
+        s = ScheduledRequest("__probe__", [0] * num_tokens, 0, list(block_table), True)
+        input_ids, pos_t, meta = self._inputs([s])
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            self.model(input_ids, pos_t, self.kv_caches, meta, pos_t)
+            times.append(time.perf_counter() - t)
+        return sorted(times[1:])[repeats // 2]
+
     def _inputs(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata for requests laid out decodes first (one
         token each), then prefill chunks."""
@@ -230,8 +243,8 @@ class ModelRunner:
             d = s.num_draft_tokens
             rows = slice(row, row + d + 1)
             gen = st.generator if st.generator is not None else self.sampler.generator
-            tokens = verify_point_drafts(probs[rows] if probs is not None else None, greedy_tokens[rows],
-                                         list(s.token_ids[len(s.token_ids) - d:]), st.params.greedy, gen)
+            tokens = verify_drafts(probs[rows] if probs is not None else None, greedy_tokens[rows],
+                                   list(s.token_ids[len(s.token_ids) - d:]), st.params.greedy, gen, s.draft_probs)
             st.output_token_ids.extend(tokens)
             sampled[s.request_id] = tokens
             n = st.params.logprobs
