@@ -38,10 +38,16 @@ def workloads(llm: LLM, text: str, batch: int) -> dict[str, tuple[list, Sampling
             "random": (rand, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))}
 
 
-def run(llm: LLM, prompts: list, sp: SamplingParams) -> tuple[float, int]:
+def run(llm: LLM, prompts: list, sp: SamplingParams) -> tuple[float, float]:
+    """(output tokens/s end to end, decode tokens/s: the tokens after each request's first over the time
+    from the first first token to the last finish, prefill left out)."""
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    first = min(o.metrics[0].first_token_time for o in outs)
+    last = max(o.metrics[0].finished_time for o in outs)
+    return tokens / seconds, (tokens - len(outs)) / (last - first)
 
 
 def main() -> None:
@@ -63,6 +69,7 @@ def main() -> None:
         off = LLM(**kw, quantization="none")
         on = LLM(**kw, quantization="none", speculative_model=off.engine.model_path, num_speculative_tokens=k)
         drafter = LLM(**kw)
+    print("tok/s as output (end to end) / decode (after each request's first token)")
     print(f"| workload | batch | off tok/s | on tok/s | on / off | acceptance rate | mean accepted length "
           f"| accepted at positions 1..{k} (of drafts) |" + (" drafter alone tok/s |" if drafter else "")
           + "\n|---|---|---|---|---|---|---|---|" + ("---|" if drafter else ""))
@@ -73,15 +80,14 @@ def main() -> None:
             for r in range(args.rounds):
                 order = [("off", off), ("on", on)] if r % 2 == 0 else [("on", on), ("off", off)]
                 for label, llm in order:
-                    seconds, tokens = run(llm, prompts, sp)
-                    rates[label].append(tokens / seconds)
+                    rates[label].append(run(llm, prompts, sp))
             spec = summarize([s.spec for s in on.engine.step_stats if s.spec is not None])
-            a, b = statistics.median(rates["off"]), statistics.median(rates["on"])
+            a, b = (tuple(statistics.median(x[i] for x in rates[label]) for i in (0, 1)) for label in ("off", "on"))
             alone = ""
             if drafter is not None:
-                seconds, tokens = run(drafter, prompts, sp)
-                alone = f" {tokens / seconds:.1f} |"
-            print(f"| {name} | {batch} | {a:.1f} | {b:.1f} | {b / a:.2f}x | {spec['spec_acceptance_rate']:.1%} | "
+                alone = " {:.1f} / {:.1f} |".format(*run(drafter, prompts, sp))
+            print(f"| {name} | {batch} | {a[0]:.1f} / {a[1]:.1f} | {b[0]:.1f} / {b[1]:.1f} | {b[0] / a[0]:.2f}x / "
+                  f"{b[1] / a[1]:.2f}x | {spec['spec_acceptance_rate']:.1%} | "
                   f"{spec['spec_mean_acceptance_length']:.2f} | "
                   f"{' '.join(f'{r:.2f}' for r in spec['spec_acceptance_rate_per_pos'])} |{alone}", flush=True)
 

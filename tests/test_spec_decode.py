@@ -194,12 +194,16 @@ def test_the_off_rule_drafts_only_what_pays():
     assert worthwhile_drafts(1.0, PROBE_EVERY, draft_cost=1.2) == 0  # a draft dearer than a step never pays
 
 
-def test_the_draft_cost_is_measured_from_step_times():
-    from tokenmill.spec_decode.policy import measure_draft_cost
+def test_the_draft_cost_follows_measured_step_times_and_the_batch():
+    from tokenmill.spec_decode.policy import DraftCostModel
 
-    step = {1: 10.0, 5: 18.0}  # a 5-token verification step costs 1.8 decode steps
-    assert measure_draft_cost(step.__getitem__, None, 4) == pytest.approx(0.2)  # n-gram: verification only
-    assert measure_draft_cost(step.__getitem__, lambda: 2.5, 4) == pytest.approx(0.45)  # + a drafter pass
+    target = {1: 10.0, 4: 12.0, 16: 40.0, 64: 160.0}  # memory-bound to 4 tokens, then compute-bound
+    c = DraftCostModel(target, None, 3)
+    assert c(1) == pytest.approx((12 - 10) / (3 * 10))  # alone, a draft is nearly free
+    assert c(16) == pytest.approx((160 - 40) / (3 * 40))  # at 16 requests it costs a full token
+    assert c(32) == pytest.approx(1.0)  # past the largest size: the last slope
+    with_drafter = DraftCostModel(target, {1: 2.5, 4: 3.0, 16: 10.0, 64: 40.0}, 3)
+    assert with_drafter(1) == pytest.approx(c(1) + 0.25)  # plus a drafter pass per draft
 
 
 @pytest.mark.slow
@@ -418,7 +422,7 @@ def test_sampled_outputs_with_a_draft_model_follow_the_target_distribution(tiny_
             p3 += p1[a] * pa[b] * _top_k_probs(hf_logits(target, prompt + [a, b])[-1], K)
     llm = LLM(str(target_dir), speculative_model=str(drafter_dir), num_speculative_tokens=2,
               kv_cache_memory="16MiB", max_num_seqs=64)
-    llm.engine.scheduler.proposer.draft_cost = 0.0  # always draft, whatever the acceptance
+    llm.engine.scheduler.proposer.draft_cost = lambda batch: 0.0  # always draft, whatever the acceptance
 
     def sample_counts():
         params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=i, ignore_eos=True) for i in range(N)]

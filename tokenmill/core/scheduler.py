@@ -91,7 +91,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
         """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
-        request and step, each costing ``proposer.draft_cost`` decode steps (the off rule's c): ``propose_batch`` is asked once a step for the
+        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c): ``propose_batch`` is asked once a step for the
         drafts of every decoding request that may draft, ``finish`` when a request ends."""
         self.config = config
         self.proposer = proposer
@@ -175,11 +175,12 @@ class Scheduler:
         # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
         # drafting request reserves slots for its drafts now; they are proposed once all are known.
         drafting: list[tuple[Request, int]] = []
+        draft_cost = self.proposer.draft_cost(len(self.running)) if self.proposer is not None else 0.0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            room = self._draft_room(req, budget) if num_new == 1 else 0
+            room = self._draft_room(req, budget, draft_cost) if num_new == 1 else 0
             if room and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + room) is None:
                 room = 0  # drafts never preempt anyone: without room for them, the request just decodes
             num_new += room
@@ -247,7 +248,7 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _draft_room(self, req: Request, budget: int) -> int:
+    def _draft_room(self, req: Request, budget: int, draft_cost: float) -> int:
         """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
         within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
         one after the drafts) and the context length."""
@@ -256,7 +257,7 @@ class Scheduler:
         return max(0, min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1,
                           worthwhile_drafts(req.draft_acceptance, req.num_steps_without_drafts, self.proposer.k,
-                                            self.proposer.draft_cost)))
+                                            draft_cost)))
 
     def _emit_drafted(self, drafting: list[tuple[Request, int]], out: SchedulerOutput) -> int:
         """Ask the drafter for every drafting request at once (a draft model batches its passes) and

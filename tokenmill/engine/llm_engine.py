@@ -27,7 +27,7 @@ from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.policy import measure_draft_cost
+from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
 from tokenmill.spec_decode.stats import SpecStepStats, step_acceptance
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
@@ -173,19 +173,25 @@ class LLMEngine:
         return draft
 
     @torch.inference_mode()
-    def _measure_draft_cost(self, proposer) -> float:
-        """The off rule's c on this machine: a draft's share of a decode step (spec_decode/policy.py)."""
+    def _measure_draft_cost(self, proposer) -> DraftCostModel:
+        """The off rule's c on this machine, against the batch: a draft's share of a decode step
+        (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
         k = proposer.k
-        table = self.kv_cache.allocate_slots("__probe__", 1 + k)
+        sizes = sorted({min(n, self.max_model_len) for n in PROBE_SIZES})
+        table = self.kv_cache.allocate_slots("__probe__", sizes[-1])
+        if table is None:  # a pool too small to probe in: the constant
+            return proposer.draft_cost
         try:
+            repeats = lambda n: 3 if n <= 8 else 1  # noqa: E731 -- the large sizes are slow and steady
+            target = {n: self.runner.time_forward(n, table, repeats(n)) for n in sizes}
             drafter = getattr(proposer, "runner", None)
-            c = measure_draft_cost(lambda n: self.runner.time_forward(n, table),
-                                   None if drafter is None else lambda: drafter.time_forward(1, table), k)
+            drafts = None if drafter is None else {n: drafter.time_forward(n, table, repeats(n)) for n in sizes}
         finally:
             self.kv_cache.free("__probe__")
-        logger.info("speculative decoding: one draft costs %.2f decode steps here (drafts stop paying below "
-                    "that acceptance)", c)
-        return c
+        cost = DraftCostModel(target, drafts, k)
+        logger.info("speculative decoding: one draft costs %s decode steps at batch %s here (drafts stop "
+                    "paying below that acceptance)", "/".join(f"{cost(b):.2f}" for b in (1, 8, 32)), "1/8/32")
+        return cost
 
     # ---- requests --------------------------------------------------------------------
 

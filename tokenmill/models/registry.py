@@ -50,8 +50,10 @@ def _builtin_path(alias: str) -> Path:
     raise ModelNotFoundError(f"package {dist_name!r} is installed but does not contain {file_name!r}")
 
 
-def resolve_model(model: str) -> ModelSource:
+def resolve_model(model: str | os.PathLike) -> ModelSource:
     """Turn a user's model argument into a ModelSource, or raise a ModelNotFoundError saying why."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model.strip():
         raise ModelNotFoundError("model must be a non-empty string (an alias, a .gguf file or a model folder)")
     if model.lower() in BUILTIN_MODELS:

@@ -40,7 +40,7 @@ class DraftModelProposer:
         """runner: a ModelRunner over the draft model and its KV tensors (same block count and size as
         the target's pool); num_tokens: the most drafts per request and step."""
         self.runner, self.k = runner, num_tokens
-        self.draft_cost = DRAFT_COST  # the engine measures it (spec_decode/policy.py)
+        self.draft_cost = lambda batch: DRAFT_COST  # c at a batch; the engine measures it (policy.py)
         self.block_size = block_size
         self.cached: dict[str, _Cached] = {}
 

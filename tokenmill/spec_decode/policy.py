@@ -1,8 +1,8 @@
 """When drafting pays: how many drafts a request gets this step (the off rule).
 
 A draft costs a share c of a decode step whether or not it is accepted: its verification (the target's
-step grows by a token) plus, for a draft model, the drafter's pass. The engine measures c at startup
-(``measure_draft_cost``): on the CPU kernels a gguf target's verification step of 1 + d tokens took about
+step grows by a token) plus, for a draft model, the drafter's pass. The engine measures the step times
+c follows from at startup (``DraftCostModel``), and c grows with the batch: on the CPU kernels a gguf target's verification step of 1 + d tokens took about
 1 + 0.5 d decode steps (the integer GEMMs at a few tokens are compute-bound), a float target's about
 1 + 0.1 d, and a gguf drafter's pass about 0.25 of a float target's decode step (BENCHMARKS.md,
 speculative decoding). Draft i (1-based) is accepted with probability about a^i, for a request's recent
@@ -13,7 +13,7 @@ again.
 
 from __future__ import annotations
 
-DRAFT_COST = 0.5  # c where it is not measured: a gguf target's verification of one draft token
+DRAFT_COST = 0.5  # c where it is not measured: a gguf target's verification of one draft token, alone
 PROBE_EVERY = 8  # steps without drafts before one probe draft
 EMA = 0.5  # weight of the newest step in the acceptance estimate
 
@@ -35,10 +35,33 @@ def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
     return (1 - EMA) * acceptance + EMA * (accepted / drafted)
 
 
-def measure_draft_cost(time_target, time_drafter, k: int) -> float:
-    """c for k drafts, in decode steps: time_target(n) times the target's step over n tokens of one
-    request, time_drafter() one drafter pass (None: drafting is free, as n-gram lookup is)."""
-    one = time_target(1)
-    verify = max(time_target(1 + k) - one, 0.0) / k
-    draft = time_drafter() if time_drafter is not None else 0.0
-    return (verify + draft) / one
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per step the engine times at startup
+
+
+class DraftCostModel:
+    """c at a batch of B decoding requests, from step times measured at startup: target(n), the target's
+    step over n tokens, and drafter(n), a drafter pass over n (None: drafting is free, as n-gram lookup
+    is); both interpolated piecewise linearly and extended past the largest size by the last slope.
+
+    Each of B requests drafting k tokens turns a step of B tokens into one of B (1 + k), and adds k
+    drafter passes over B: per draft, [target(B (1 + k)) - target(B)] / (B k) + drafter(B) / B, against
+    target(B) / B per token of a plain decode step. Where the step is memory-bound (few requests) that
+    is small; where it is compute-bound (many requests) it reaches 1 and no draft pays."""
+
+    def __init__(self, target: dict[int, float], drafter: dict[int, float] | None, k: int) -> None:
+        self.target, self.drafter, self.k = sorted(target.items()), sorted(drafter.items()) if drafter else None, k
+
+    @staticmethod
+    def _at(points: list[tuple[int, float]], n: float) -> float:
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if n <= n1 or (n1, t1) == points[-1]:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        return points[0][1]
+
+    def __call__(self, batch: int) -> float:
+        b = max(batch, 1)
+        one = self._at(self.target, b)
+        c = max(self._at(self.target, b * (1 + self.k)) - one, 0.0) / (self.k * one)
+        if self.drafter is not None:
+            c += self._at(self.drafter, b) / one
+        return c
