@@ -56,6 +56,7 @@ class Request:
     promoted: bool = False  # priority policy: waited past the starvation bound, now ahead of all
     timings: RequestTimings = field(default_factory=RequestTimings)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    constraints: object = None  # structured_output.RequestConstraints, compiled at add_request
 
     def __post_init__(self) -> None:
         if not self.timings.arrival:

@@ -7,6 +7,37 @@ from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 64
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's StructuredOutputsParams): exactly one of a JSON schema
+    (``json``, a dict or its JSON text), any JSON object (``json_object``), a regular expression
+    (``regex``), one of some strings (``choice``) or a Lark/GBNF grammar (``grammar``)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured outputs json must be a JSON schema (an object or its JSON text)")
 
 
 @dataclass(frozen=True)
@@ -34,7 +65,12 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled one)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # words never generated (their last token is banned after the rest)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples so the object stays hashable.
@@ -45,6 +81,17 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        if isinstance(self.logit_bias, dict):  # JSON keys arrive as strings ("50256": -100)
+            try:
+                object.__setattr__(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
+            except (TypeError, ValueError):
+                raise ValueError(f"invalid sampling parameter logit_bias: keys must be token ids, got "
+                                 f"{list(self.logit_bias)[:3]!r}") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -92,8 +139,25 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must map token ids to numbers")
+            for k, v in self.logit_bias.items():
+                if k < 0:
+                    raise bad("logit_bias", f"token id {k} is negative")
+                if not is_num(v) or not -100 <= v <= 100:
+                    raise bad("logit_bias", f"the bias of token {k} must be a number in [-100, 100], got {v!r}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", f"must be at most {MAX_BAD_WORDS} non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

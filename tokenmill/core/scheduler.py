@@ -42,6 +42,7 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    constraints: Any = None  # structured_output.RequestConstraints: a grammar, bad words
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
         """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
-        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c): ``propose_batch`` is asked once a step for the
+        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c): ``may_draft(request, batch)`` says whether it
+        may draft for a request now, ``propose_batch`` is asked once a step for the
         drafts of every decoding request that may draft, ``finish`` when a request ends."""
         self.config = config
         self.proposer = proposer
@@ -242,6 +244,7 @@ class Scheduler:
                         list(req.output_token_ids),
                         req.sampling_params,
                         req.eos_token_ids,
+                        req.constraints,
                     )
                 )
             self._emit(req, num_new, out)
@@ -252,7 +255,7 @@ class Scheduler:
         """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
         within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
         one after the drafts) and the context length."""
-        if self.proposer is None:
+        if self.proposer is None or not self.proposer.may_draft(req, len(self.running)):
             return 0
         return max(0, min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1,

@@ -26,6 +26,7 @@ from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.structured_output import GrammarCompiler, build_constraints
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
 from tokenmill.spec_decode.stats import SpecStepStats, step_acceptance
@@ -142,6 +143,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
         phase("KV pool")
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
             proposer.draft_cost = self._measure_draft_cost(proposer)
             phase("speculative off rule")
@@ -227,6 +229,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
                              f"{self.max_model_len}-token context")
         self.scheduler.check_fits(len(ids), max_tokens)
+        constraints = build_constraints(params, self.tokenizer, self.model_config.vocab_size, self.runner.grammars)
         children = []
         for i in range(params.n):
             child_params = params
@@ -234,7 +237,8 @@ class LLMEngine:
                 # distinct but reproducible streams for the n samples
                 child_params = dataclasses.replace(params, seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority))
+            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority,
+                                    constraints=constraints))
         clash = [r.request_id for r in children if r.request_id in self.scheduler.requests]
         if clash:
             raise ValueError(f"request id {clash[0]!r} is already in use")

@@ -26,7 +26,11 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None = None  # [N]
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
-    banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) masked out (min_tokens)
+    banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) masked out (min_tokens, bad words)
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (row, token ids, added values)
+    allowed: list[tuple[int, torch.Tensor]] | None = None  # (row, the only token ids it may sample)
+    grammar_rows: torch.Tensor | None = None  # [G] rows under a grammar ...
+    grammar_masks: torch.Tensor | None = None  # ... [G, V] bool, True where the grammar allows the token
     num_logprobs: int | None = None  # top-n logprobs wanted by some row (max over rows)
 
 
@@ -85,13 +89,22 @@ class Sampler:
 
     @staticmethod
     def _penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """Penalties, then the constraints: logit_bias, allowed_token_ids, banned tokens, grammar masks."""
         raw = logits
         if b.output_ids is not None:
             logits = apply_penalties(logits, b)
-        if b.banned:
+        if b.banned or b.logit_bias or b.allowed or b.grammar_rows is not None:
             logits = logits.clone() if logits is raw else logits
-            for row, ids in b.banned:
-                logits[row, ids] = -float("inf")
+        for row, ids, vals in b.logit_bias or ():
+            logits[row, ids] += vals
+        for row, ids in b.allowed or ():
+            keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[ids] = True
+            logits[row].masked_fill_(~keep, -float("inf"))
+        for row, ids in b.banned or ():
+            logits[row, ids] = -float("inf")
+        if b.grammar_rows is not None:
+            logits[b.grammar_rows] = logits[b.grammar_rows].masked_fill(~b.grammar_masks, -float("inf"))
         return logits
 
     def distributions(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:

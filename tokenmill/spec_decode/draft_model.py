@@ -9,8 +9,9 @@ blocks); each step it first catches up on the rest (on first sight the whole con
 accepted drafts and the new token) and then drafts one token per pass.
 
 Greedy requests get the drafter's argmax (point drafts). Sampled requests get drafts sampled from the
-drafter's own distribution q (its temperature, top-k, top-p and min-p: the request's; penalties left
-out, as any q keeps the target's distribution exact) and q goes to the verifier with them.
+drafter's own distribution q (its temperature, top-k, top-p, min-p, logit_bias and allowed_token_ids:
+the request's; penalties, bad words and grammars left out, as any q keeps the target's distribution
+exact and the verification applies them) and q goes to the verifier with them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ class DraftModelProposer:
         self.draft_cost = lambda batch: DRAFT_COST  # c at a batch; the engine measures it (policy.py)
         self.block_size = block_size
         self.cached: dict[str, _Cached] = {}
+
+    def may_draft(self, req, batch: int) -> bool:
+        """Whether catching the drafter up on this request pays (policy.DraftCostModel.catch_up_pays)."""
+        c = self.cached.get(req.request_id)
+        lag = req.num_tokens - (len(c.token_ids) if c is not None else 0)
+        check = getattr(self.draft_cost, "catch_up_pays", None)
+        return check is None or check(lag, req.max_tokens - req.num_output_tokens, batch)
 
     def finish(self, request_id: str) -> None:
         self.cached.pop(request_id, None)
@@ -127,3 +135,5 @@ class _State:
     prompt_token_ids: tuple = ()
     output_token_ids: tuple = ()
     stop_ids: tuple = ()
+    constraints: object = None  # no grammar or bad words for drafts: the target's verification has them
+    matcher: object = None

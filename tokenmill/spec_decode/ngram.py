@@ -18,6 +18,9 @@ class NgramProposer:
         """batch: (request, most drafts, block table) per decoding request; point drafts (no q)."""
         return [(self.propose(req.all_token_ids, room), None) for req, room, _ in batch]
 
+    def may_draft(self, req, batch: int) -> bool:
+        return True  # nothing to catch up on
+
     def finish(self, request_id: str) -> None:
         pass  # no per-request state
 

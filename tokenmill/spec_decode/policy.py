@@ -36,6 +36,7 @@ def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
 
 
 PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per step the engine times at startup
+CATCH_UP_SHARE = 0.25  # most of a request's remaining time a drafter's catch-up pass may take
 
 
 class DraftCostModel:
@@ -57,6 +58,14 @@ class DraftCostModel:
             if n <= n1 or (n1, t1) == points[-1]:
                 return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
         return points[0][1]
+
+    def catch_up_pays(self, lag: int, remaining: int, batch: int) -> bool:
+        """A drafter that lags a request by ``lag`` tokens (never drafted for it, or not for a while)
+        first runs over them: worth it only where that pass is a small share (CATCH_UP_SHARE) of the
+        time the request has left, ``remaining`` tokens at a step of ``batch`` each."""
+        if self.drafter is None or lag <= self.k + 1:
+            return True
+        return self._at(self.drafter, lag) <= CATCH_UP_SHARE * remaining * self._at(self.target, max(batch, 1))
 
     def __call__(self, batch: int) -> float:
         b = max(batch, 1)

@@ -18,6 +18,7 @@ from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.spec_decode.rejection import verify_drafts
+from tokenmill.structured_output import GrammarCompiler, RequestConstraints, banned_by_bad_words
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class _RequestState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     stop_ids: list[int] = field(default_factory=list)  # banned until min_tokens
+    constraints: RequestConstraints | None = None
+    matcher: object = None  # the grammar's llguidance matcher, advanced by every emitted token
 
 
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 e4m3 kept as its bits (layers/attention.py)
@@ -58,6 +61,18 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
             for _ in range(cfg.num_layers)]
 
 
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed int32 token mask (bit j of word i: token 32 i + j) as [vocab_size] bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, None] >> shifts) & 1).flatten()[:vocab_size].bool()
+
+
+def _advance(st: _RequestState, tokens: list[int]) -> None:
+    """Move a request's grammar past its emitted tokens (each one allowed by its mask)."""
+    if st.matcher is not None:
+        st.matcher.consume_tokens(tokens)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches, block_size: int, device: torch.device, seed: int) -> None:
         self.model = model
@@ -68,6 +83,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.states: dict[str, _RequestState] = {}
         self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
+        self.grammars: GrammarCompiler | None = None  # set by the engine: structured outputs
 
     # ---- request state ---------------------------------------------------------------
 
@@ -76,8 +92,12 @@ class ModelRunner:
         gen = None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed)
         stop_ids = sorted(t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                           if t < self.vocab_size)
-        self.states[r.request_id] = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p,
-                                                  r.eos_token_ids, gen, stop_ids)
+        st = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p, r.eos_token_ids, gen, stop_ids,
+                           r.constraints)
+        if r.constraints is not None and r.constraints.grammar is not None:
+            st.matcher = self.grammars.matcher(r.constraints.grammar)
+            st.matcher.consume_tokens(list(r.output_token_ids))  # a request resumed with outputs so far
+        self.states[r.request_id] = st
 
     # ---- preemption by swap ----------------------------------------------------------
     # Before the forward pass: blocks freed by a swap-out may be written by this very step.
@@ -216,6 +236,7 @@ class ModelRunner:
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         for i, (rid, st) in enumerate(zip(req_ids, states)):
             st.output_token_ids.append(tokens[i])
+            _advance(st, [tokens[i]])
             sampled[rid] = [tokens[i]]
             n = st.params.logprobs
             if n is not None:
@@ -246,6 +267,7 @@ class ModelRunner:
             tokens = verify_drafts(probs[rows] if probs is not None else None, greedy_tokens[rows],
                                    list(s.token_ids[len(s.token_ids) - d:]), st.params.greedy, gen, s.draft_probs)
             st.output_token_ids.extend(tokens)
+            _advance(st, tokens)
             sampled[s.request_id] = tokens
             n = st.params.logprobs
             if n is not None:
@@ -284,10 +306,54 @@ class ModelRunner:
             b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)
         banned = [(i, s.stop_ids) for i, (s, e) in enumerate(zip(states, extras))
                   if s.stop_ids and len(s.output_token_ids) + len(e) < s.params.min_tokens]
+        self._constrain(b, states, extras, banned)
         b.banned = banned or None
         wanted = [p.logprobs for p in ps if p.logprobs is not None]
         b.num_logprobs = max(wanted) if wanted else None
         return b
+
+    def _constrain(self, b: SamplingBatch, states, extras: list[list[int]], banned: list) -> None:
+        """logit_bias, allowed_token_ids, bad words (into banned) and grammar masks, for the rows that
+        have them; a row's grammar mask follows the tokens before it (its earlier drafts included)."""
+        dev = self.device
+        bias, allowed, grammar_rows, masks = [], [], [], []
+        for i, (s, e) in enumerate(zip(states, extras)):
+            p = s.params
+            if p.logit_bias:
+                ids, vals = zip(*p.logit_bias.items())
+                bias.append((i, torch.tensor(ids, device=dev), torch.tensor(vals, dtype=torch.float32, device=dev)))
+            if p.allowed_token_ids is not None:
+                allowed.append((i, torch.tensor(p.allowed_token_ids, device=dev)))
+            c = getattr(s, "constraints", None)
+            if c is not None and c.bad_words_token_ids:
+                words = banned_by_bad_words(c.bad_words_token_ids, list(s.output_token_ids) + list(e))
+                if words:
+                    banned.append((i, words))
+            if getattr(s, "matcher", None) is not None:
+                grammar_rows.append(i)
+                masks.append(self._grammar_mask(s.matcher, e, s.eos_token_ids))
+        b.logit_bias = bias or None
+        b.allowed = allowed or None
+        if grammar_rows:
+            b.grammar_rows = torch.tensor(grammar_rows, device=dev)
+            b.grammar_masks = torch.stack(masks).to(dev)
+
+    def _grammar_mask(self, matcher, extra: list[int], eos_token_ids) -> torch.Tensor:
+        """[vocab] bool: what the grammar allows after the request's tokens and then ``extra`` (a drafted
+        position's earlier drafts). Past a draft the grammar refuses, everything is allowed: verification
+        rejects that draft before such a row is read."""
+        import llguidance.torch as lt
+
+        bits = lt.allocate_token_bitmask(1, self.vocab_size)
+        consumed = matcher.try_consume_tokens(extra) if extra else 0
+        if consumed == len(extra):
+            lt.fill_next_token_bitmask(matcher, bits, 0)
+        if consumed:
+            matcher.rollback(consumed)
+        mask = unpack_bitmask(bits[0], self.vocab_size)
+        if not mask.any():  # the grammar is done (or broken): only end-of-sequence is left to say
+            mask[[t for t in eos_token_ids if t < self.vocab_size]] = True
+        return mask
 
     def _pad(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
