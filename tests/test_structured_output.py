@@ -59,7 +59,7 @@ SCHEMAS = {
     "nested": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 20},
         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "integer"}},
+                                                     "zip": {"type": "integer", "minimum": 0, "maximum": 99999}},
                     "required": ["city", "zip"], "additionalProperties": False}},
         "required": ["name", "address"], "additionalProperties": False},
     "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
@@ -69,7 +69,7 @@ SCHEMAS = {
                                               "size": {"type": "string", "enum": ["S", "M", "L"]}},
              "required": ["color", "size"], "additionalProperties": False},
     "bounded": {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                                 "score": {"type": "number", "minimum": -1, "maximum": 1}},
+                                                 "score": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.25}},
                 "required": ["age", "score"], "additionalProperties": False},
     "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
                 "required": ["code"], "additionalProperties": False},
@@ -83,7 +83,7 @@ def test_sampled_json_follows_its_schema(llm_default, name):
     jsonschema = pytest.importorskip("jsonschema")
     schema = SCHEMAS[name]
     so = StructuredOutputsParams(json=schema)
-    params = [SamplingParams(temperature=1.0, max_tokens=96, seed=i, structured_outputs=so) for i in range(40)]
+    params = [SamplingParams(temperature=1.0, max_tokens=128, seed=i, structured_outputs=so) for i in range(40)]
     outs = llm_default.generate([PROMPT] * len(params), params, use_tqdm=False)
     for o in outs:
         c = o.outputs[0]
@@ -110,7 +110,7 @@ def test_without_the_constraint_the_same_samples_do_not_validate(llm_default):
 @pytest.mark.slow
 def test_regex_choice_and_grammar_constraints(llm_default):
     def gen(so, **kw):
-        sp = SamplingParams(temperature=1.0, max_tokens=32, seed=3, structured_outputs=so, **kw)
+        sp = SamplingParams(**{"temperature": 1.0, "max_tokens": 32, "seed": 3, "structured_outputs": so, **kw})
         return [o.outputs[0].text for o in llm_default.generate(["Answer:"] * 8, sp, use_tqdm=False)]
 
     assert all(re.fullmatch(r"[a-z]{2,6}@example\.(com|org)", t) for t in gen(StructuredOutputsParams(

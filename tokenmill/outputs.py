@@ -64,3 +64,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per completion (n > 1)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob}
+    # holding that prompt token and the top-n after the tokens before it
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -48,10 +48,10 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(so.regex)
     if so.choice is not None:
         return llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in so.choice))
-    text = so.grammar
-    if "::=" in text:  # GBNF (llama.cpp's and vLLM's EBNF), which llguidance reads as Lark once converted
-        text = llguidance.gbnf_to_lark(text)
-    return llguidance.grammar_from("lark", text)
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    # GBNF (llama.cpp's and vLLM's EBNF) is converted; Lark passes through
+    return llguidance.grammar_from("lark", any_to_lark(so.grammar))
 
 
 class GrammarCompiler:
@@ -94,11 +94,7 @@ class GrammarCompiler:
         return llguidance.LLMatcher(self.ll_tokenizer, grammar)
 
     def first_mask_allows_any(self, m) -> bool:
-        import llguidance.torch as lt
-
-        mask = lt.allocate_token_bitmask(1, self.vocab_size)
-        lt.fill_next_token_bitmask(m, mask, 0)
-        return bool(mask.any())
+        return any(m.compute_bitmask())
 
 
 def _validate(cls, grammar: str, tokenizer) -> tuple[bool, str]:

@@ -86,14 +86,17 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # prompt logprobs, once a request's prompt is done: [None, {token: logprob, top...} per prompt token]
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
         """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
-        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c): ``may_draft(request, batch)`` says whether it
-        may draft for a request now, ``propose_batch`` is asked once a step for the
+        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c);
+        ``may_draft(request, batch)`` says whether it may draft for a request now, ``propose_batch`` is
+        asked once a step for the
         drafts of every decoding request that may draft, ``finish`` when a request ends."""
         self.config = config
         self.proposer = proposer
@@ -177,12 +180,14 @@ class Scheduler:
         # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
         # drafting request reserves slots for its drafts now; they are proposed once all are known.
         drafting: list[tuple[Request, int]] = []
-        draft_cost = self.proposer.draft_cost(len(self.running)) if self.proposer is not None else 0.0
+        # the batch drafts are priced at: the running requests and those about to join them
+        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        draft_cost = self.proposer.draft_cost(batch) if self.proposer is not None else 0.0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            room = self._draft_room(req, budget, draft_cost) if num_new == 1 else 0
+            room = self._draft_room(req, budget, draft_cost, batch) if num_new == 1 else 0
             if room and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + room) is None:
                 room = 0  # drafts never preempt anyone: without room for them, the request just decodes
             num_new += room
@@ -213,7 +218,9 @@ class Scheduler:
             if swapped:  # its KV comes back from host memory
                 hits, num_cached = [], req.num_computed_tokens
             else:  # a new or recompute-preempted request has no KV; its cached prefix needs no compute
-                hits = kv.get_computed_blocks(req.request_id, req.all_token_ids) if kv.enable_prefix_caching else []
+                # a cached prefix has no logits: a request that wants prompt logprobs computes it all
+                hits = (kv.get_computed_blocks(req.request_id, req.all_token_ids)
+                        if kv.enable_prefix_caching and req.sampling_params.prompt_logprobs is None else [])
                 num_cached = len(hits) * kv.block_size
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -251,11 +258,11 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _draft_room(self, req: Request, budget: int, draft_cost: float) -> int:
+    def _draft_room(self, req: Request, budget: int, draft_cost: float, batch: int) -> int:
         """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
         within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
         one after the drafts) and the context length."""
-        if self.proposer is None or not self.proposer.may_draft(req, len(self.running)):
+        if self.proposer is None or not self.proposer.may_draft(req, batch):
             return 0
         return max(0, min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1,

@@ -266,7 +266,7 @@ class LLMEngine:
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
         updated = [self.scheduler.requests[r] for r in result.sampled_token_ids if r in self.scheduler.requests]
-        touched, stopped = self.output_processor.process(updated + finished, result.logprobs)
+        touched, stopped = self.output_processor.process(updated + finished, result.logprobs, result.prompt_logprobs)
         for cid in stopped:  # a stop string matched: end it now so its blocks and finish time are set
             self.scheduler.finish_request(cid, RequestStatus.FINISHED_STOPPED)
         outputs = self.output_processor.emit(touched)

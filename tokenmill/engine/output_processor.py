@@ -33,6 +33,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,11 +60,17 @@ class OutputProcessor:
         group = self.groups.get(request_id)
         return [c.request.request_id for c in group.children] if group else []
 
-    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[_Group], list[str]]:
-        """Consume new tokens of the given requests. Returns (the groups touched, for ``emit``,
-        and the child ids that a stop string ended, which the scheduler must finish)."""
+    def process(self, updated: list[Request], logprobs: dict,
+                prompt_logprobs: dict | None = None) -> tuple[list[_Group], list[str]]:
+        """Consume new tokens of the given requests (and, once a prompt is done, its prompt logprobs).
+        Returns (the groups touched, for ``emit``, and the child ids that a stop string ended, which
+        the scheduler must finish)."""
         touched: dict[str, _Group] = {}
         stopped: list[str] = []
+        for rid, lps in (prompt_logprobs or {}).items():
+            entry = self.child_to_group.get(rid)
+            if entry is not None and entry[0].prompt_logprobs is None:  # n > 1: the first child's
+                entry[0].prompt_logprobs = lps
         for req in updated:
             entry = self.child_to_group.get(req.request_id)
             if entry is None:
@@ -139,7 +146,8 @@ class OutputProcessor:
                 c.cumulative_logprob if c.logprobs is not None else None,
             ))
         metrics = [_metrics(c.request) for c in g.children]
-        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished, metrics)
+        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished, metrics,
+                             g.prompt_logprobs)
 
     def _drop(self, g: _Group) -> None:
         self.groups.pop(g.request_id, None)

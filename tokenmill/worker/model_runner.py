@@ -32,6 +32,7 @@ class _RequestState:
     stop_ids: list[int] = field(default_factory=list)  # banned until min_tokens
     constraints: RequestConstraints | None = None
     matcher: object = None  # the grammar's llguidance matcher, advanced by every emitted token
+    prompt_logprobs: dict[int, dict[int, float]] | None = None  # position -> logprobs, until emitted
 
 
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 e4m3 kept as its bits (layers/attention.py)
@@ -61,10 +62,9 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
             for _ in range(cfg.num_layers)]
 
 
-def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's packed int32 token mask (bit j of word i: token 32 i + j) as [vocab_size] bool."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bits[:, None] >> shifts) & 1).flatten()[:vocab_size].bool()
+def unpack_bitmask(bits: bytes, vocab_size: int) -> torch.Tensor:
+    """llguidance's packed token mask (bit j of byte i: token 8 i + j) as [vocab_size] bool."""
+    return torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:vocab_size]).bool()
 
 
 def _advance(st: _RequestState, tokens: list[int]) -> None:
@@ -94,6 +94,8 @@ class ModelRunner:
                           if t < self.vocab_size)
         st = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p, r.eos_token_ids, gen, stop_ids,
                            r.constraints)
+        if p.prompt_logprobs is not None and not r.output_token_ids:
+            st.prompt_logprobs = {}
         if r.constraints is not None and r.constraints.grammar is not None:
             st.matcher = self.grammars.matcher(r.constraints.grammar)
             st.matcher.consume_tokens(list(r.output_token_ids))  # a request resumed with outputs so far
@@ -135,20 +137,52 @@ class ModelRunner:
         order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
         input_ids, pos_t, meta = self._inputs(order)
 
-        # Logits only for rows that end their request's known tokens, and for each drafted position.
-        sample_rows, sample_reqs, offset = [], [], 0
+        # Logits only for rows that end their request's known tokens, for each drafted position, and
+        # for the prompt rows of requests that asked for prompt logprobs.
+        sample_rows, sample_reqs, prompt_rows, offset = [], [], [], 0
         for s in order:
+            st = self.states[s.request_id]
+            if st.prompt_logprobs is not None:  # row i predicts the prompt token at start_pos + i + 1
+                last = min(len(s.token_ids), len(st.prompt_token_ids) - 1 - s.start_pos)
+                prompt_rows.extend((st, offset + i, s.start_pos + i + 1) for i in range(max(last, 0)))
             offset += len(s.token_ids)
             if s.needs_logits:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
-        logits_idx = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits_idx = torch.tensor(sample_rows + [r for _, r, _ in prompt_rows], dtype=torch.long, device=self.device)
         logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
+        if prompt_rows:
+            self._record_prompt_logprobs(logits[len(sample_rows):], prompt_rows)
+            logits = logits[: len(sample_rows)]
         if not sample_reqs:
             return ModelRunnerOutput({})
         if any(s.num_draft_tokens for s in sample_reqs):
-            return self._verify(logits, sample_reqs)
-        return self._sample(logits, [s.request_id for s in sample_reqs])
+            out = self._verify(logits, sample_reqs)
+        else:
+            out = self._sample(logits, [s.request_id for s in sample_reqs])
+        for s in sample_reqs:  # the prompt is done: its logprobs go out with the first token
+            st = self.states[s.request_id]
+            if st.prompt_logprobs is not None:
+                n = len(st.prompt_token_ids)
+                out.prompt_logprobs[s.request_id] = [None] + [st.prompt_logprobs.get(p) for p in range(1, n)]
+                st.prompt_logprobs = None
+        return out
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list) -> None:
+        """Each prompt row's log-probability of the prompt token that follows it, and its top-n; kept
+        by position, so a chunk computed again after a preemption overwrites rather than repeats."""
+        lps = logits.float().log_softmax(-1)
+        targets = torch.tensor([st.prompt_token_ids[p] for st, _, p in rows], device=lps.device)
+        chosen = lps.gather(1, targets[:, None]).squeeze(1).tolist()
+        n = max(st.params.prompt_logprobs for st, _, _ in rows)
+        top_lp, top_ids = lps.topk(n, dim=-1) if n else (None, None)
+        for i, (st, _, p) in enumerate(rows):
+            k = st.params.prompt_logprobs
+            entry = {int(targets[i]): chosen[i]}
+            if k:
+                entry.update(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
+                entry[int(targets[i])] = chosen[i]
+            st.prompt_logprobs[p] = entry
 
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of token_ids ([len - 1, vocab]), computed as one prefill
@@ -342,15 +376,13 @@ class ModelRunner:
         """[vocab] bool: what the grammar allows after the request's tokens and then ``extra`` (a drafted
         position's earlier drafts). Past a draft the grammar refuses, everything is allowed: verification
         rejects that draft before such a row is read."""
-        import llguidance.torch as lt
-
-        bits = lt.allocate_token_bitmask(1, self.vocab_size)
         consumed = matcher.try_consume_tokens(extra) if extra else 0
-        if consumed == len(extra):
-            lt.fill_next_token_bitmask(matcher, bits, 0)
+        bits = matcher.compute_bitmask() if consumed == len(extra) else None
         if consumed:
             matcher.rollback(consumed)
-        mask = unpack_bitmask(bits[0], self.vocab_size)
+        if bits is None:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        mask = unpack_bitmask(bits, self.vocab_size)
         if not mask.any():  # the grammar is done (or broken): only end-of-sequence is left to say
             mask[[t for t in eos_token_ids if t < self.vocab_size]] = True
         return mask
