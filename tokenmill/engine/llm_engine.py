@@ -184,10 +184,13 @@ class LLMEngine:
         if table is None:  # a pool too small to probe in: the constant
             return proposer.draft_cost
         try:
-            repeats = lambda n: 3 if n <= 8 else 1  # noqa: E731 -- the large sizes are slow and steady
-            target = {n: self.runner.time_forward(n, table, repeats(n)) for n in sizes}
+            # medians of 5 where a step takes milliseconds and noise is large; one pass for the slow sizes
+            def curve(runner) -> dict[int, float]:
+                return {n: runner.time_forward(n, table, 5 if n <= 16 else 1, warm_up=n == 1) for n in sizes}
+
+            target = curve(self.runner)
             drafter = getattr(proposer, "runner", None)
-            drafts = None if drafter is None else {n: drafter.time_forward(n, table, repeats(n)) for n in sizes}
+            drafts = None if drafter is None else curve(drafter)
         finally:
             self.kv_cache.free("__probe__")
         cost = DraftCostModel(target, drafts, k)

@@ -35,7 +35,7 @@ def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
     return (1 - EMA) * acceptance + EMA * (accepted / drafted)
 
 
-PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per step the engine times at startup
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per step the engine times at startup
 CATCH_UP_SHARE = 0.25  # most of a request's remaining time a drafter's catch-up pass may take
 
 

@@ -191,17 +191,17 @@ class ModelRunner:
         input_ids, pos_t, meta = self._inputs([s])
         return self.model(input_ids, pos_t, self.kv_caches, meta, pos_t[:-1])
 
-    def time_forward(self, num_tokens: int, block_table: list[int], repeats: int = 3) -> float:
+    def time_forward(self, num_tokens: int, block_table: list[int], repeats: int = 3, warm_up: bool = True) -> float:
         """Median seconds of a forward pass over num_tokens of one request at position 0 (logits for
         each), after a warm-up: what the speculative off rule is calibrated with."""
         s = ScheduledRequest("__probe__", [0] * num_tokens, 0, list(block_table), True)
         input_ids, pos_t, meta = self._inputs([s])
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats + int(warm_up)):
             t = time.perf_counter()
             self.model(input_ids, pos_t, self.kv_caches, meta, pos_t)
             times.append(time.perf_counter() - t)
-        return sorted(times[1:])[repeats // 2]
+        return sorted(times[int(warm_up):])[repeats // 2]
 
     def _inputs(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata for requests laid out decodes first (one
