@@ -57,9 +57,12 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    ap.add_argument("--kv-cache-memory", default="1GiB")
     args = ap.parse_args()
     text = open(args.dataset, encoding="utf-8").read()
-    kw = dict(kv_cache_memory="512MiB", max_model_len=2048)
+    # room for batch 32 without preemption in every engine (a draft model's KV shares the pool, so at equal
+    # memory it holds fewer tokens: the preemption counts are printed at the end)
+    kw = dict(kv_cache_memory=args.kv_cache_memory, max_model_len=2048)
     k = args.num_speculative_tokens
     drafter = None
     if args.method == "ngram":
@@ -69,6 +72,9 @@ def main() -> None:
         off = LLM(**kw, quantization="none")
         on = LLM(**kw, quantization="none", speculative_model=off.engine.model_path, num_speculative_tokens=k)
         drafter = LLM(**kw)
+    cost = on.engine.scheduler.proposer.draft_cost
+    print("the off rule's draft cost measured at startup, at batch 1/8/32: "
+          + "/".join(f"{cost(b):.2f}" for b in (1, 8, 32)))
     print("tok/s as output (end to end) / decode (after each request's first token)")
     print(f"| workload | batch | off tok/s | on tok/s | on / off | acceptance rate | mean accepted length "
           f"| accepted at positions 1..{k} (of drafts) |" + (" drafter alone tok/s |" if drafter else "")
@@ -90,6 +96,7 @@ def main() -> None:
                   f"{b[1] / a[1]:.2f}x | {spec['spec_acceptance_rate']:.1%} | "
                   f"{spec['spec_mean_acceptance_length']:.2f} | "
                   f"{' '.join(f'{r:.2f}' for r in spec['spec_acceptance_rate_per_pos'])} |{alone}", flush=True)
+    print("preemptions: off %d, on %d" % (off.engine.num_preemptions, on.engine.num_preemptions))
 
 
 if __name__ == "__main__":

@@ -21,17 +21,25 @@ def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
     srv = BackgroundServer(build_app(ae, ServerConfig())).start()
     out = tmp_path / "result.json"
     try:
+        # vLLM's spelling of the flags (`vllm bench serve ...` works with the command name changed)
         rc = main(["bench", "serve", "--base-url", srv.url, "--model", "smollm2-135m-instruct", "--num-prompts", "6",
-                   "--input-len", "24", "--output-len", "8", "--max-concurrency", "3", "--goodput", "ttft:60000",
-                   "--save-result", str(out), "--no-progress"])
+                   "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "8",
+                   "--max-concurrency", "3", "--goodput", "ttft:60000", "--endpoint", "/v1/completions",
+                   "--ignore-eos", "--save-result", "--result-dir", str(tmp_path), "--result-filename", out.name,
+                   "--metric-percentiles", "50,99", "--disable-tqdm"])
         assert rc == 0
         metrics = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop(60)
     text = capsys.readouterr().out
     assert "Serving Benchmark Result" in text
-    run = json.loads(out.read_text())["runs"][0]
+    run = json.loads(out.read_text())  # one run: vLLM's flat layout
     assert (run["completed"], run["failed"]) == (6, 0)
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms",
+                "mean_e2el_ms", "total_input_tokens", "duration", "model_id", "num_prompts", "max_concurrency"):
+        assert key in run, key
+    assert len(run["ttfts"]) == len(run["itls"]) == len(run["input_lens"]) == 6 and run["output_lens"] == [8] * 6
+    assert run["errors"] == [""] * 6
     assert run["total_output_tokens"] == 6 * 8 and run["output_tokens_source"] == "usage"
     for r in run["requests"]:
         assert r["completion_tokens"] == 8 and r["finish_reason"] == "length"

@@ -33,6 +33,7 @@ from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
 from tokenmill.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.structured_output import GrammarCompiler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
 from tokenmill.tokenizer import Tokenizer
@@ -83,6 +84,7 @@ def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: i
     e.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096), e.kv_cache,
                             max_model_len)
     e.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
+    e.grammars = GrammarCompiler(tok, tok.vocab_size)
     e.output_processor = OutputProcessor(tok)
     e.step_stats = deque(maxlen=1000)
     e._ids = itertools.count()

@@ -72,9 +72,7 @@ class GrammarCompiler:
         """A validated grammar, or a ValueError saying what is wrong with it."""
         try:
             grammar = grammar_spec(so)
-        except ValueError:
-            raise
-        except Exception as e:  # llguidance raises its own types for schemas it cannot read
+        except Exception as e:  # noqa: BLE001 -- llguidance raises its own types for schemas it cannot read
             raise ValueError(f"invalid structured output: {e}") from None
         import llguidance
 

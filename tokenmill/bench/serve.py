@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from tokenmill.bench.client import ENDPOINTS, ApiConfig, wait_until_ready
@@ -17,18 +18,23 @@ from tokenmill.bench.report import compare_table, run_block, sustainable_point, 
 from tokenmill.bench.runner import LoadSpec, RunResult, run_async
 
 
+def _endpoint(value: str) -> str:
+    """completions or chat; vLLM's paths (/v1/completions, /v1/chat/completions) name them too."""
+    return {path: name for name, path in ENDPOINTS.items()}.get(value, value)
+
+
 def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", choices=DATASETS,
+    g.add_argument("--dataset", "--dataset-name", default="random", choices=DATASETS,
                    help="random: random tokens of --input-len/--output-len; shared-prefix: a --prefix-len common "
                         "system prompt plus a --question-len question; text: windows of --dataset-path (plain text); "
                         "trace: the lengths and arrival times of an Azure-format CSV; sharegpt: ShareGPT JSON")
     g.add_argument("--dataset-path", default=None, help="the file for text, trace and sharegpt")
     g.add_argument("--num-prompts", type=int, default=100, help="requests in the workload (default 100)")
-    g.add_argument("--input-len", type=int, default=None, help="prompt tokens (random, text; default 128)")
-    g.add_argument("--output-len", type=int, default=None,
+    g.add_argument("--input-len", "--random-input-len", type=int, default=None, help="prompt tokens (random, text; default 128)")
+    g.add_argument("--output-len", "--random-output-len", type=int, default=None,
                    help="max_tokens of each request (default 128; sharegpt: the recorded reply's length)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
+    g.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly from len*(1-r) .. len*(1+r) (default 0: fixed)")
     g.add_argument("--long-input-every", type=int, default=0, metavar="N",
                    help="random: every N-th prompt is --long-input-len tokens (long prompts among short ones)")
@@ -57,7 +63,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", required=True, help="the model name to send (see the server's /v1/models)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer that builds the prompts: built-in alias, .gguf or HF folder (default: --model)")
-    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
+    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS), type=_endpoint,
                    help="completions (/v1/completions, default) or chat (/v1/chat/completions)")
     g.add_argument("--api-key", default=None, help="sent as a bearer token")
     g.add_argument("--label", default=None, help="name of the server in reports (default: host:port)")
@@ -93,11 +99,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="SLOs in milliseconds, e.g. ttft:1000 tpot:100 (names: ttft, tpot, e2el)")
     g.add_argument("--slo-percentile", type=float, default=99.0,
                    help="a sweep point meets the SLOs when this percentile of each is within bound (default 99)")
-    g.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report (default 50,90,99)")
-    g.add_argument("--save-result", default=None, metavar="FILE.json",
-                   help="write the metrics and every request's raw timings as JSON")
+    g.add_argument("--percentiles", "--metric-percentiles", default="50,90,99", help="latency percentiles to report (default 50,90,99)")
+    g.add_argument("--save-result", nargs="?", const="", default=None, metavar="FILE.json",
+                   help="write the metrics and every request's raw timings as JSON. One run writes vLLM's flat "
+                        "layout (its keys at the top level, so scripts for `vllm bench serve` results read it); a "
+                        "sweep or --compare nests its runs under \"runs\". Given alone, as vLLM's flag, the file "
+                        "is --result-dir/--result-filename (default: a name from the model, rate and time)")
+    g.add_argument("--result-filename", default=None, help="vLLM's spelling of the --save-result file name")
+    g.add_argument("--result-dir", default=None, help="folder for the --save-result file (vLLM's flag)")
+    g.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
+                   help="accepted for vLLM compatibility: EOS is ignored by default (--no-ignore-eos stops at it)")
     g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (latency CDFs, tokens in flight, sweep)")
-    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="hide the progress bar")
     add_dataset_args(p)
 
 
@@ -154,6 +167,37 @@ async def _bench(a: argparse.Namespace, apis: list[ApiConfig], workloads: list, 
     return per_point
 
 
+def result_path(a: argparse.Namespace) -> Path | None:
+    """Where --save-result writes: its own value, else --result-dir/--result-filename (vLLM's flags),
+    else vLLM's kind of name; None when no result file is asked for."""
+    if a.save_result is None and a.result_filename is None:
+        return None
+    name = a.save_result or a.result_filename
+    if not name:
+        rate = "inf" if math.isinf(a.request_rate) else f"{a.request_rate:g}"
+        name = f"tokenmill-{rate}qps-{a.model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return Path(a.result_dir or ".") / name
+
+
+def flat_result(run: RunResult, a: argparse.Namespace, spec) -> dict:  # noqa: ANN001
+    """One run in `vllm bench serve`'s layout: its keys at the top level, per-request lists beside."""
+    ok = [r for r in run.results if r.success]
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai", "label": run.label,
+        "model_id": a.model, "tokenizer_id": a.tokenizer or a.model, "num_prompts": len(run.results),
+        "request_rate": run.load.request_rate if run.load.request_rate is not None else "trace",
+        "burstiness": run.load.burstiness, "max_concurrency": run.load.max_concurrency,
+        **{k: v for k, v in run.metrics.items() if k != "errors"},
+        "error_counts": run.metrics["errors"],
+        "input_lens": [r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok],
+        "output_lens": [r.completion_tokens if r.completion_tokens is not None else len(r.itl_s) + 1 for r in ok],
+        "ttfts": [r.ttft_s for r in ok], "itls": [r.itl_s for r in ok],
+        "generated_texts": [r.generated_text for r in ok],
+        "errors": [r.error or "" for r in run.results],
+        "requests": run.to_json()["requests"],
+    }
+
+
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     _check(a)
     slos = parse_goodput(a.goodput)
@@ -195,11 +239,17 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                   + (f"{(best.load.max_concurrency if over == 'concurrency' else best.load.request_rate):g}"
                      f" ({best.metrics['request_throughput']:.2f} req/s, {best.metrics['output_throughput']:.1f}"
                      " output tok/s)" if best else "none of those swept"))
-    if a.save_result:
+    path = result_path(a)
+    if path is not None:
         doc = {"tool": "tokenmill bench serve", "argv": sys.argv[1:], "dataset": vars(spec), "slos_ms": slos,
-               "slo_percentile": a.slo_percentile, "runs": [r.to_json() for r in runs]}
-        Path(a.save_result).write_text(json.dumps(doc, indent=1, default=str))
-        print(f"saved {a.save_result}", file=sys.stderr)
+               "slo_percentile": a.slo_percentile}
+        if len(runs) == 1:
+            doc = {**flat_result(runs[0], a, spec), **doc}
+        else:
+            doc["runs"] = [r.to_json() for r in runs]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, default=str))
+        print(f"saved {path}", file=sys.stderr)
     if a.plot:
         from tokenmill.bench.plots import write_plots
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from pydantic import BaseModel
 from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -37,6 +38,11 @@ from tokenmill.engine.async_engine import (
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.structured import structured_outputs
+from tokenmill.server.tools import (
+    PARSERS, TOOL_CALL_PARSERS, StreamingToolParser, ToolCall, messages_with_tools, parse_required,
+    template_knows_tools, tool_choice_constraint,
+)
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request, error_body,
 )
@@ -58,6 +64,7 @@ class ServerConfig:
     max_prompts: int = 32  # prompts in one batched /v1/completions request
     max_request_bytes: int = 1 << 20
     drain_timeout: float = 30.0
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n:
@@ -70,6 +77,9 @@ class ServerConfig:
             raise ValueError("max_prompts and max_request_bytes must be positive")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
 
 # ---- JSON and SSE ----------------------------------------------------------------------------
@@ -284,6 +294,9 @@ class _Prepared:
     max_tokens_param: str
     prompt_param: str
     streams: list[RequestStream] = field(default_factory=list)
+    structured_param: str | None = None  # the field a structured-output constraint came from
+    tool_choice: object = None  # chat: "auto" (parse calls), "required", a function name, or None
+    tool_parser: str = "hermes"
 
 
 class OpenAIServing:
@@ -318,18 +331,35 @@ class OpenAIServing:
         return model
 
     def sampling_params(self, req, *, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
-                        logprobs_param: str) -> SamplingParams:  # noqa: ANN001
+                        logprobs_param: str, structured=None, prompt_logprobs: int | None = None,
+                        ) -> SamplingParams:  # noqa: ANN001
         cfg = self.config
         n = 1 if req.n is None else req.n
         if n > cfg.max_n:
             raise bad_request(f"n={n} is above this server's limit of {cfg.max_n} (--max-n)", "n")
         if req.best_of is not None and req.best_of != n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if logprobs is not None and logprobs > cfg.max_logprobs:
             raise bad_request(f"{logprobs_param}={logprobs} is above this server's limit of {cfg.max_logprobs}",
                               logprobs_param)
+        prompt_logprobs = req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs > cfg.max_logprobs:
+            raise bad_request(f"prompt_logprobs={prompt_logprobs} is above this server's limit of "
+                              f"{cfg.max_logprobs}", "prompt_logprobs")
+        logit_bias = None
+        if req.logit_bias is not None:
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+            bad_ids = [t for t in logit_bias if not 0 <= t < self.vocab_size]
+            if bad_ids:
+                raise bad_request(f"logit_bias token id {bad_ids[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab_size})", "logit_bias")
+        bad_ids = [t for t in req.allowed_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad_ids:
+            raise bad_request(f"allowed_token_ids: token id {bad_ids[0]} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", "allowed_token_ids")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -356,11 +386,13 @@ class OpenAIServing:
             stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or (), structured_outputs=structured,
         )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
-            m = re.match(r"invalid sampling parameter (\w+)=", str(e))
+            m = re.match(r"invalid sampling parameter (\w+)[=:]", str(e))
             name = m.group(1) if m else None
             param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
             raise bad_request(str(e), param) from None
@@ -409,6 +441,10 @@ class OpenAIServing:
         if isinstance(e, ValueError):
             msg = str(e)
             param = prep.max_tokens_param if re.search(r"max_tokens|KV|max_num_batched", msg) else prep.prompt_param
+            if "structured output" in msg:
+                param = prep.structured_param
+            elif msg.startswith("invalid sampling parameter"):
+                param = msg.split()[3].rstrip(":=").split("=")[0]
             return bad_request(msg, param)
         return e
 
@@ -420,15 +456,18 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         prompts = _split_prompts(req.prompt)
         if len(prompts) > self.config.max_prompts:
             raise bad_request(f"{len(prompts)} prompts given; at most {self.config.max_prompts} per request",
                               "prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        structured, structured_param = structured_outputs(req)
+        # echo with logprobs: the prompt's own logprobs come first (computed in the prefill)
+        echo_lps = bool(req.echo) and req.logprobs is not None
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param="max_tokens",
-                                      logprobs=req.logprobs, logprobs_param="logprobs")
+                                      logprobs=req.logprobs, logprobs_param="logprobs", structured=structured,
+                                      prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0) if echo_lps
+                                      else None)
         ids_list, texts = [], []
         for p in prompts:
             if isinstance(p, str):
@@ -449,7 +488,7 @@ class OpenAIServing:
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
             self.check_context(ids, max_tokens, "prompt", "max_tokens")
             ids_list.append(ids)
-        prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt")
+        prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt", structured_param=structured_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival)
         created = int(time.time())
@@ -471,6 +510,27 @@ class OpenAIServing:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, completion: dict) -> dict:
+        """OpenAI's echo with logprobs: the prompt tokens first (the first with no logprob), then the
+        completion's."""
+        first = self.token_text(prompt_ids[0])[0]
+        rest = self._completion_logprobs(prompt_ids[1:], prompt_lps[1:], len(first))
+        prompt = {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                  "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+        return {k: prompt[k] + completion[k] for k in prompt}
+
+    def _vllm_prompt_logprobs(self, prompt_lps: list) -> list:
+        """vLLM's prompt_logprobs field: None, then {token id: {logprob, rank, decoded_token}} per token."""
+        out = []
+        for d in prompt_lps:
+            if d is None:
+                out.append(None)
+                continue
+            ranked = sorted(d.items(), key=lambda kv: -kv[1])
+            out.append({str(t): {"logprob": _lp(v), "rank": r + 1, "decoded_token": self.token_text(t)[0]}
+                        for r, (t, v) in enumerate(ranked)})
+        return out
+
     def _completion_body(self, prep: _Prepared, finals: list[RequestOutput], request_id: str, created: int,
                          model: str, echo: bool) -> dict:
         choices, completion_tokens = [], 0
@@ -481,9 +541,14 @@ class OpenAIServing:
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if c.logprobs is not None:
-                    lp = self._completion_logprobs(c.token_ids, c.logprobs, 0)
-                choices.append({"index": pi * n + c.index, "text": prefix + c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    lp = self._completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                    if echo and out.prompt_logprobs is not None:
+                        lp = self._echo_logprobs(prep.prompt_ids[pi], out.prompt_logprobs, lp)
+                choice = {"index": pi * n + c.index, "text": prefix + c.text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if prep.params.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
         prompt_tokens = sum(len(ids) for ids in prep.prompt_ids)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
@@ -495,12 +560,21 @@ class OpenAIServing:
         chunk = _chunk_builder(request_id, "text_completion", created, model, include_usage)
 
         merged = _merge(prep.streams)
+        echo_lps = echo and prep.params.logprobs is not None
+        echoed: set[int] = set()
         try:
-            if echo:
+            if echo and not echo_lps:
                 for pi, text in enumerate(prep.prompt_texts):
                     yield chunk([{"index": pi * n + i, "text": text, "logprobs": None, "finish_reason": None}
                                  for i in range(n)])
             async for pi, out in merged:
+                if echo_lps and pi not in echoed and out.prompt_logprobs is not None:
+                    # the prompt's logprobs come with its first output: echo it then
+                    echoed.add(pi)
+                    empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    lp = self._echo_logprobs(prep.prompt_ids[pi], out.prompt_logprobs, empty)
+                    yield chunk([{"index": pi * n + i, "text": prep.prompt_texts[pi], "logprobs": lp,
+                                  "finish_reason": None} for i in range(n)])
                 for c in out.outputs:
                     idx = pi * n + c.index
                     d = track.delta(idx, c)
@@ -538,10 +612,26 @@ class OpenAIServing:
             raise bad_request("messages is required", "messages")
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported", "response_format")
+        structured, structured_param = structured_outputs(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        if isinstance(choice, BaseModel):
+            choice = choice.model_dump()
+        if choice is not None and not tools and choice != "none":
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        choice = choice or ("auto" if tools else None)
+        if choice == "none":
+            tools = None
+        forced_name = None
+        if tools and choice != "auto":
+            if structured is not None:
+                raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'with a function'} "
+                                  f"cannot be combined with {structured_param}", "tool_choice")
+            try:
+                structured, forced_name = tool_choice_constraint(tools, choice)
+            except ValueError as e:
+                raise bad_request(str(e), "tool_choice") from None
+            structured_param = "tools"
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
@@ -549,7 +639,7 @@ class OpenAIServing:
             max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
-                                      logprobs=logprobs, logprobs_param="top_logprobs")
+                                      logprobs=logprobs, logprobs_param="top_logprobs", structured=structured)
         messages = []
         for i, m in enumerate(req.messages):
             if not m.role:
@@ -569,9 +659,13 @@ class OpenAIServing:
                 msg["name"] = m.name
             messages.append(msg)
         add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
+        native_tools = template_knows_tools(self.tokenizer.chat_template)
+        if not native_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
+            messages = messages_with_tools(messages, tools)
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+            kw = {"tools": tools} if native_tools and tools else {}
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kw)
             return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds any BOS
 
         try:
@@ -584,7 +678,8 @@ class OpenAIServing:
         if not ids:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         self.check_context(ids, max_tokens, "messages", max_tokens_param)
-        prep = _Prepared([ids], [""], params, max_tokens_param, "messages")
+        prep = _Prepared([ids], [""], params, max_tokens_param, "messages", structured_param=structured_param,
+                         tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival)
         created = int(time.time())
@@ -598,11 +693,29 @@ class OpenAIServing:
         for c in out.outputs:
             lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs)} \
                 if c.logprobs is not None else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            content, calls = self._tool_calls(prep, c.text)
+            message = {"role": "assistant", "content": content}
+            finish = c.finish_reason
+            if calls:
+                message["tool_calls"] = [t.to_openai() for t in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return json_response({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                               "choices": choices, "usage": _usage(len(ids), completion_tokens)})
+
+    def _tool_calls(self, prep: _Prepared, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output, by the request's tool_choice."""
+        choice = prep.tool_choice
+        if choice is None:
+            return text, []
+        if choice == "auto":
+            return PARSERS[prep.tool_parser](text)
+        if choice == "required":
+            calls = parse_required(text)
+            return (None, calls) if calls else (text, [])
+        return None, [ToolCall(choice, text)]  # a named function: the output is its arguments
 
     def _chat_logprobs(self, token_ids: list[int], lps: list[dict[int, float]], top_n: int | None) -> list[dict]:
         content = []
@@ -622,6 +735,7 @@ class OpenAIServing:
         chunk = _chunk_builder(request_id, "chat.completion.chunk", created, model, include_usage)
 
         merged = _merge(prep.streams)
+        tool_streams: dict[int, _ToolStream] = {}
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(params.n)])
@@ -634,10 +748,13 @@ class OpenAIServing:
                     lp = None
                     if c.logprobs is not None:
                         lp = {"content": self._chat_logprobs(new_ids, c.logprobs[tstart:], params.logprobs)}
-                    choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": None}
+                    message = {"content": delta} if delta else {}
+                    called = False
+                    if prep.tool_choice is not None:
+                        message, called = tool_streams.setdefault(c.index, _ToolStream(prep)).delta(delta, c.finished)
+                    choice = {"index": c.index, "delta": message, "logprobs": lp, "finish_reason": None}
                     if c.finished:
-                        choice["finish_reason"] = c.finish_reason
+                        choice["finish_reason"] = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
                         choice["stop_reason"] = c.stop_reason
                     yield chunk([choice])
             if include_usage:
@@ -651,6 +768,43 @@ class OpenAIServing:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+
+class _ToolStream:
+    """One streamed choice's tool calls as OpenAI deltas, by the request's tool_choice: auto parses as
+    the text comes (server/tools.py), a named function streams its arguments, required sends its
+    calls when the array is complete."""
+
+    def __init__(self, prep: _Prepared) -> None:
+        self.choice = prep.tool_choice
+        self.parser = StreamingToolParser(prep.tool_parser) if self.choice == "auto" else None
+        self.text = ""
+        self.count = 0  # tool calls sent
+        self.named = None if self.choice in ("auto", "required") else ToolCall(self.choice, "")
+
+    def delta(self, text: str, final: bool) -> tuple[dict, bool]:
+        """(the delta message, whether this choice has called a tool so far)."""
+        if self.parser is not None:
+            content, calls = self.parser.feed(text, final)
+            msg = {"content": content} if content else {}
+            if calls:
+                msg["tool_calls"] = [t.to_openai(self.count + i) for i, t in enumerate(calls)]
+                self.count += len(calls)
+            return msg, self.count > 0
+        if self.named is not None:
+            if self.count == 0:
+                self.count = 1
+                return {"tool_calls": [self.named.to_openai(0) | {"function": {"name": self.named.name,
+                                                                             "arguments": text}}]}, True
+            return ({"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}), True
+        self.text += text
+        if not final:
+            return {}, False
+        calls = parse_required(self.text)
+        if not calls:
+            return {"content": self.text}, False
+        self.count = len(calls)
+        return {"tool_calls": [t.to_openai(i) for i, t in enumerate(calls)]}, True
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -1008,7 +1162,8 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
     api_key = a.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     return ServerConfig(served_model_names=a.served_model_name or (), api_key=api_key, max_n=a.max_n,
                         max_logprobs=a.max_logprobs, max_prompts=a.max_prompts,
-                        max_request_bytes=a.max_request_bytes, drain_timeout=a.drain_timeout)
+                        max_request_bytes=a.max_request_bytes, drain_timeout=a.drain_timeout,
+                        tool_call_parser=a.tool_call_parser)
 
 
 def serve_args(llm_engine, a) -> int:  # noqa: ANN001

@@ -31,6 +31,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop admitting, give in-flight requests this many seconds to finish, "
                         "then abort them and exit (default 30)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
+                   help="how tool_choice auto finds tool calls in the output: hermes (<tool_call>{...}</tool_call>: "
+                        "Hermes, Qwen2.5, SmolLM2; default) or llama3_json ({\"name\", \"parameters\"} objects). "
+                        "tool_choice required or a named function constrains the output instead")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice auto is always on when a request has tools")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
