@@ -73,8 +73,9 @@ def main() -> None:
         on = LLM(**kw, quantization="none", speculative_model=off.engine.model_path, num_speculative_tokens=k)
         drafter = LLM(**kw)
     cost = on.engine.scheduler.proposer.draft_cost
-    print("the off rule's draft cost measured at startup, at batch 1/8/32: "
-          + "/".join(f"{cost(b):.2f}" for b in (1, 8, 32)))
+    print(f"the off rule's cost of {k} drafts (decode steps), measured at startup, at batch 1/8/32: "
+          + "/".join(f"{cost(b)(k):.2f}" for b in (1, 8, 32)) + "; of one draft: "
+          + "/".join(f"{cost(b)(1):.2f}" for b in (1, 8, 32)))
     print("tok/s as output (end to end) / decode (after each request's first token)")
     print(f"| workload | batch | off tok/s | on tok/s | on / off | acceptance rate | mean accepted length "
           f"| accepted at positions 1..{k} (of drafts) |" + (" drafter alone tok/s |" if drafter else "")

@@ -436,6 +436,7 @@ BAD = [
     ("c", {"prompt": "hi", "bad_words": [""]}, 400, "bad_words"),
     ("c", {"prompt": "hi", "guided_regex": "(unclosed"}, 400, "guided_regex"),
     ("c", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("c", {"prompt": "hi", "guided_regex": "[^\\s\\S]"}, 400, "guided_regex"),  # a regex nothing matches
     ("ch", {"messages": MSG, "guided_grammar": "start: undefined_rule"}, 400, "guided_grammar"),
     ("ch", {"messages": MSG, "structured_outputs": {"json": '{"type": '}}, 400, "structured_outputs"),
     ("ch", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {

@@ -184,26 +184,28 @@ def test_speculation_through_preemption_and_prefix_hits(llm_default):
 
 
 def test_the_off_rule_drafts_only_what_pays():
-    from tokenmill.spec_decode.policy import PROBE_EVERY, worthwhile_drafts
+    from tokenmill.spec_decode.policy import PROBE_EVERY, constant_cost, worthwhile_drafts
 
-    assert worthwhile_drafts(1.0, 0, limit=5) == 5
-    assert worthwhile_drafts(0.8, 0) == 3  # 0.8, 0.64, 0.51 pay; 0.41 does not
-    assert worthwhile_drafts(0.3, 0) == 0
+    assert worthwhile_drafts(1.0, 0, limit=5) == 5  # every draft accepted: as many as allowed
+    assert worthwhile_drafts(0.8, 0) == 2  # 2.44 tokens in 2 steps' time beats 1.8 in 1.5 and 2.95 in 2.5
+    assert worthwhile_drafts(0.3, 0) == 0  # 1.3 tokens in 1.5 steps' time: worse than decoding
     assert worthwhile_drafts(0.3, PROBE_EVERY) == 1  # a probe, to notice repetition coming back
-    assert worthwhile_drafts(0.9, 0, draft_cost=0.25) == 13  # 0.9^13 = 0.254: a cheap draft pays longer
-    assert worthwhile_drafts(1.0, PROBE_EVERY, draft_cost=1.2) == 0  # a draft dearer than a step never pays
+    assert worthwhile_drafts(0.9, 0, cost=constant_cost(0.25)) == 6  # cheap drafts: more of them
+    assert worthwhile_drafts(1.0, PROBE_EVERY, cost=constant_cost(1.2)) == 0  # dearer than a step: never
 
 
 def test_the_draft_cost_follows_measured_step_times_and_the_batch():
-    from tokenmill.spec_decode.policy import DraftCostModel
+    from tokenmill.spec_decode.policy import DraftCostModel, worthwhile_drafts
 
     target = {1: 10.0, 4: 12.0, 16: 40.0, 64: 160.0}  # memory-bound to 4 tokens, then compute-bound
-    c = DraftCostModel(target, None, 3)
-    assert c(1) == pytest.approx((12 - 10) / (3 * 10))  # alone, a draft is nearly free
-    assert c(16) == pytest.approx((160 - 40) / (3 * 40))  # at 16 requests it costs a full token
-    assert c(32) == pytest.approx(1.0)  # past the largest size: the last slope
+    model = DraftCostModel(target, None, 3)
+    assert model(1)(3) == pytest.approx((12 - 10) / 10)  # alone, drafts are nearly free
+    assert model(1)(1) == pytest.approx((10 + 2 / 3 - 10) / 10)
+    assert model(16)(3) == pytest.approx((160 - 40) / 40)  # at 16 requests each draft costs a full token
+    assert model(32)(3) == pytest.approx(3.0)  # past the largest size: the last slope
+    assert worthwhile_drafts(0.9, 0, 3, model(1)) == 3 and worthwhile_drafts(0.9, 0, 3, model(16)) == 0
     with_drafter = DraftCostModel(target, {1: 2.5, 4: 3.0, 16: 10.0, 64: 40.0}, 3)
-    assert with_drafter(1) == pytest.approx(c(1) + 0.25)  # plus a drafter pass per draft
+    assert with_drafter(1)(3) == pytest.approx(0.2 + 3 * 0.25)  # plus a drafter pass per draft
 
 
 @pytest.mark.slow
@@ -422,7 +424,7 @@ def test_sampled_outputs_with_a_draft_model_follow_the_target_distribution(tiny_
             p3 += p1[a] * pa[b] * _top_k_probs(hf_logits(target, prompt + [a, b])[-1], K)
     llm = LLM(str(target_dir), speculative_model=str(drafter_dir), num_speculative_tokens=2,
               kv_cache_memory="16MiB", max_num_seqs=64)
-    llm.engine.scheduler.proposer.draft_cost = lambda batch: 0.0  # always draft, whatever the acceptance
+    llm.engine.scheduler.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # always draft
 
     def sample_counts():
         params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=i, ignore_eos=True) for i in range(N)]

@@ -116,6 +116,9 @@ def test_regex_choice_and_grammar_constraints(llm_default):
     assert all(re.fullmatch(r"[a-z]{2,6}@example\.(com|org)", t) for t in gen(StructuredOutputsParams(
         regex=r"[a-z]{2,6}@example\.(com|org)")))
     assert set(gen(StructuredOutputsParams(choice=["yes", "no", "maybe"]), n=1)) <= {"yes", "no", "maybe"}
+    # a stop string inside the constrained text ends it there
+    assert all(re.fullmatch(r"[a-z]{2,6}", t) for t in gen(StructuredOutputsParams(
+        regex=r"[a-z]{2,6}@example\.(com|org)"), stop=["@"]))
     gbnf = 'root ::= "(" num " " op " " num ")"\nnum ::= [0-9]+\nop ::= "+" | "-"'
     assert all(re.fullmatch(r"\(\d+ [+-] \d+\)", t) for t in gen(StructuredOutputsParams(grammar=gbnf)))
     objs = gen(StructuredOutputsParams(json_object=True), max_tokens=64)
@@ -160,6 +163,9 @@ def test_logit_bias_allowed_ids_and_bad_words_offline(llm_default):
     (dict(structured_outputs=StructuredOutputsParams(json='{"type": ')), "not valid JSON"),
     (dict(structured_outputs=StructuredOutputsParams(regex="(unclosed")), "structured output"),
     (dict(structured_outputs=StructuredOutputsParams(grammar="start: foo")), "structured output"),
+    (dict(structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]")), "matches no text"),  # nothing
+    (dict(structured_outputs=StructuredOutputsParams(json={"type": "string", "minLength": 5, "maxLength": 2})),
+     "Unsatisfiable"),
     (dict(logit_bias={10**6: 1.0}), "outside the vocabulary"),
     (dict(allowed_token_ids=[10**6]), "outside the vocabulary"),
 ])
@@ -178,7 +184,7 @@ def test_grammar_with_ngram_speculation_keeps_greedy_bits(llm_default):
     from tokenmill import LLM
 
     spec = LLM(kv_cache_memory="64MiB", max_model_len=2048, speculative_method="ngram", num_speculative_tokens=4)
-    spec.engine.scheduler.proposer.draft_cost = lambda batch: 0.0  # draft whatever the acceptance
+    spec.engine.scheduler.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # draft whatever the acceptance
     so = StructuredOutputsParams(json=SCHEMAS["array"])
     sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
     prompts = ['Tags: "red", "red", "red". JSON:', PROMPT]

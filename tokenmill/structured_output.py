@@ -92,7 +92,13 @@ class GrammarCompiler:
         return llguidance.LLMatcher(self.ll_tokenizer, grammar)
 
     def first_mask_allows_any(self, m) -> bool:
-        return any(m.compute_bitmask())
+        """Whether the grammar's first step allows any token but end-of-sequence (which llguidance
+        allows where nothing else can follow)."""
+        bits = bytearray(m.compute_bitmask())
+        eos = self.tokenizer.eos_token_id
+        if eos is not None:
+            bits[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
+        return any(bits)
 
 
 def _validate(cls, grammar: str, tokenizer) -> tuple[bool, str]:

@@ -94,7 +94,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
         """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
-        request and step, each costing ``proposer.draft_cost(batch)`` decode steps (the off rule's c);
+        request and step, d of them costing ``proposer.draft_cost(batch)(d)`` decode steps (the off rule);
         ``may_draft(request, batch)`` says whether it may draft for a request now, ``propose_batch`` is
         asked once a step for the
         drafts of every decoding request that may draft, ``finish`` when a request ends."""
@@ -182,7 +182,7 @@ class Scheduler:
         drafting: list[tuple[Request, int]] = []
         # the batch drafts are priced at: the running requests and those about to join them
         batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
-        draft_cost = self.proposer.draft_cost(batch) if self.proposer is not None else 0.0
+        draft_cost = self.proposer.draft_cost(batch) if self.proposer is not None else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -258,7 +258,7 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _draft_room(self, req: Request, budget: int, draft_cost: float, batch: int) -> int:
+    def _draft_room(self, req: Request, budget: int, draft_cost, batch: int) -> int:
         """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
         within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
         one after the drafts) and the context length."""

@@ -203,8 +203,8 @@ class LLMEngine:
         finally:
             self.kv_cache.free("__probe__")
         cost = DraftCostModel(target, drafts, k)
-        logger.info("speculative decoding: one draft costs %s decode steps at batch %s here (drafts stop "
-                    "paying below that acceptance)", "/".join(f"{cost(b):.2f}" for b in (1, 8, 32)), "1/8/32")
+        logger.info("speculative decoding: %d drafts cost %s decode steps at batch 1/8/32 here; each request "
+                    "drafts what its acceptance pays for", k, "/".join(f"{cost(b)(k):.2f}" for b in (1, 8, 32)))
         return cost
 
     # ---- requests --------------------------------------------------------------------

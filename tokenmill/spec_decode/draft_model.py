@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from tokenmill.core.scheduler import ScheduledRequest
-from tokenmill.spec_decode.policy import DRAFT_COST
+from tokenmill.spec_decode.policy import DRAFT_COST, constant_cost
 from tokenmill.spec_decode.rejection import sample_from
 
 # a drafter's private stream for a seeded request differs from the target's stream of the same seed
@@ -41,7 +41,7 @@ class DraftModelProposer:
         """runner: a ModelRunner over the draft model and its KV tensors (same block count and size as
         the target's pool); num_tokens: the most drafts per request and step."""
         self.runner, self.k = runner, num_tokens
-        self.draft_cost = lambda batch: DRAFT_COST  # c at a batch; the engine measures it (policy.py)
+        self.draft_cost = lambda batch: constant_cost(DRAFT_COST)  # the engine measures it (policy.py)
         self.block_size = block_size
         self.cached: dict[str, _Cached] = {}
 

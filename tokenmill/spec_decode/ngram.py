@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.spec_decode.policy import DRAFT_COST
+from tokenmill.spec_decode.policy import DRAFT_COST, constant_cost
 
 
 class NgramProposer:
     def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = num_tokens, min_n, max_n
-        self.draft_cost = lambda batch: DRAFT_COST  # c at a batch; the engine measures it (policy.py)
+        self.draft_cost = lambda batch: constant_cost(DRAFT_COST)  # the engine measures it (policy.py)
 
     def propose_batch(self, batch) -> list[tuple[list[int], None]]:
         """batch: (request, most drafts, block table) per decoding request; point drafts (no q)."""

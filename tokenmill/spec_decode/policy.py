@@ -1,32 +1,47 @@
 """When drafting pays: how many drafts a request gets this step (the off rule).
 
-A draft costs a share c of a decode step whether or not it is accepted: its verification (the target's
-step grows by a token) plus, for a draft model, the drafter's pass. The engine measures the step times
-c follows from at startup (``DraftCostModel``), and c grows with the batch: on the CPU kernels a gguf target's verification step of 1 + d tokens took about
-1 + 0.5 d decode steps (the integer GEMMs at a few tokens are compute-bound), a float target's about
-1 + 0.1 d, and a gguf drafter's pass about 0.25 of a float target's decode step (BENCHMARKS.md,
-speculative decoding). Draft i (1-based) is accepted with probability about a^i, for a request's recent
-per-draft acceptance a, so it pays while a^i > c. A request whose acceptance fell so low that no draft
-pays gets none, and one probe draft every PROBE_EVERY steps to notice when its text starts to repeat
-again.
+d drafts make a request's step longer by cost(d) decode steps, whether or not they are accepted: their
+verification (the target's step grows by d tokens) plus, for a draft model, d drafter passes. Draft i
+(1-based) is accepted with probability about a^i, for the request's recent per-draft acceptance a, so
+d drafts bring 1 + a + ... + a^d tokens for 1 + cost(d) steps' time; a request gets the d (0 to k) with
+the most tokens per unit of time, so none where no d beats plain decoding. A request whose acceptance
+fell that low gets one probe draft every PROBE_EVERY steps (where one draft costs under a step) to
+notice when its text starts to repeat again.
+
+cost(d) comes from step times the engine measures at startup (``DraftCostModel``) and grows with the
+batch: a few-token step is memory-bound (extra tokens nearly free) where a large batch's is
+compute-bound (each extra token costs as much as a decoded one). On the CPU kernels a gguf target's
+first draft costs most (the integer GEMMs are compute-bound from one token on: 2 tokens take about 1.8x
+one), a float target's drafts about 0.1 step each, and a gguf drafter's pass about 0.3 of a float
+target's decode step (BENCHMARKS.md, speculative decoding).
 """
 
 from __future__ import annotations
 
-DRAFT_COST = 0.5  # c where it is not measured: a gguf target's verification of one draft token, alone
+from collections.abc import Callable
+
+DRAFT_COST = 0.5  # per draft, where nothing is measured: a gguf target's verification of one draft token
 PROBE_EVERY = 8  # steps without drafts before one probe draft
 EMA = 0.5  # weight of the newest step in the acceptance estimate
 
 
+def constant_cost(c: float) -> Callable[[int], float]:
+    return lambda d: c * d
+
+
 def worthwhile_drafts(acceptance: float, steps_without_drafts: int, limit: int = 64,
-                      draft_cost: float = DRAFT_COST) -> int:
-    n, p = 0, acceptance
-    while n < limit and p > draft_cost:
-        n += 1
+                      cost: Callable[[int], float] = constant_cost(DRAFT_COST)) -> int:
+    """The number of drafts (0 to limit) with the most expected tokens per unit of step time."""
+    best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
+    for d in range(1, limit + 1):
         p *= acceptance
-    if n == 0 and steps_without_drafts >= PROBE_EVERY and draft_cost < 1:  # at c >= 1 no draft ever pays
+        tokens += p
+        rate = tokens / (1 + cost(d))
+        if rate > best_rate + 1e-9:
+            best, best_rate = d, rate
+    if best == 0 and steps_without_drafts >= PROBE_EVERY and cost(1) < 1:  # at cost >= 1 no draft ever pays
         return 1
-    return n
+    return best
 
 
 def update_acceptance(acceptance: float, accepted: int, drafted: int) -> float:
@@ -40,14 +55,13 @@ CATCH_UP_SHARE = 0.25  # most of a request's remaining time a drafter's catch-up
 
 
 class DraftCostModel:
-    """c at a batch of B decoding requests, from step times measured at startup: target(n), the target's
-    step over n tokens, and drafter(n), a drafter pass over n (None: drafting is free, as n-gram lookup
-    is); both interpolated piecewise linearly and extended past the largest size by the last slope.
+    """cost(d) at a batch of B decoding requests, from step times measured at startup: target(n), the
+    target's step over n tokens, and drafter(n), a drafter pass over n (None: drafting is free, as
+    n-gram lookup is); both interpolated piecewise linearly and extended past the largest size by the
+    last slope. ``model(B)`` is the cost function for that batch.
 
-    Each of B requests drafting k tokens turns a step of B tokens into one of B (1 + k), and adds k
-    drafter passes over B: per draft, [target(B (1 + k)) - target(B)] / (B k) + drafter(B) / B, against
-    target(B) / B per token of a plain decode step. Where the step is memory-bound (few requests) that
-    is small; where it is compute-bound (many requests) it reaches 1 and no draft pays."""
+    Each of B requests drafting d tokens turns a step of B tokens into one of B (1 + d), and adds d
+    drafter passes over B: cost(d) = [target(B (1 + d)) - target(B) + d drafter(B)] / target(B)."""
 
     def __init__(self, target: dict[int, float], drafter: dict[int, float] | None, k: int) -> None:
         self.target, self.drafter, self.k = sorted(target.items()), sorted(drafter.items()) if drafter else None, k
@@ -67,10 +81,12 @@ class DraftCostModel:
             return True
         return self._at(self.drafter, lag) <= CATCH_UP_SHARE * remaining * self._at(self.target, max(batch, 1))
 
-    def __call__(self, batch: int) -> float:
+    def __call__(self, batch: int) -> Callable[[int], float]:
         b = max(batch, 1)
         one = self._at(self.target, b)
-        c = max(self._at(self.target, b * (1 + self.k)) - one, 0.0) / (self.k * one)
-        if self.drafter is not None:
-            c += self._at(self.drafter, b) / one
-        return c
+        pass_cost = self._at(self.drafter, b) / one if self.drafter is not None else 0.0
+
+        def cost(d: int) -> float:
+            return max(self._at(self.target, b * (1 + d)) - one, 0.0) / one + d * pass_cost
+
+        return cost
