@@ -262,6 +262,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(ep)
     add_engine_args(ep)
     ep.set_defaults(func=_lazy("tokenmill.eval", "cmd_perplexity"))
+
+    from tokenmill.sim.cli import add_simulate_args
+
+    sm = sub.add_parser("simulate", help="how many users given hardware supports: the real scheduler against a "
+                                         "cost model",
+                        description="Simulate serving a workload with the real scheduler and KV cache, each step's "
+                                    "time predicted by a roofline of --hardware or a calibrated --profile of this "
+                                    "machine. With --slo, find the highest request rate meeting them; report users, "
+                                    "batch sizes, KV memory and where the time goes.")
+    add_simulate_args(sm)
+    sm.set_defaults(func=_lazy("tokenmill.sim.cli", "cmd_simulate"))
+    pr = sub.add_parser("profile", help="measure this machine's step times and fit the simulator's cost model",
+                        description="Time real engine steps over a grid (decode batches x contexts, prefill chunks, "
+                                    "mixed) and write the fitted cost model for `tokenmill simulate --profile`.")
+    pr.add_argument("--output", default="profile.json", help="where to write the model (default profile.json)")
+    pr.add_argument("--quick", action="store_true", help="a smaller grid")
+    add_engine_args(pr)
+    pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
     return p
 
 

@@ -13,11 +13,12 @@ from tokenmill.config import ModelConfig
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 
-def hf_model_config(folder: Path) -> ModelConfig:
+def hf_model_config(folder: Path, file_name: str = "config.json") -> ModelConfig:
+    folder = Path(folder)
     try:
-        cfg = json.loads((folder / "config.json").read_text())
+        cfg = json.loads((folder / file_name).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {folder / 'config.json'}: {e}") from None
+        raise ValueError(f"cannot read {folder / file_name}: {e}") from None
     model_type = cfg.get("model_type")
     if model_type not in _ARCHS:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(_ARCHS)})")
@@ -44,7 +45,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         )
     except KeyError as e:
-        raise ValueError(f"{folder / 'config.json'} lacks the key {e.args[0]!r}") from None
+        raise ValueError(f"{folder / file_name} lacks the key {e.args[0]!r}") from None
 
 
 def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,244 @@
+"""``tokenmill simulate`` and ``tokenmill profile``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from pathlib import Path
+
+SEARCH_STEPS = 8  # bisection steps of the rate search once a failing rate is bracketed
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.serve import add_dataset_args
+
+    g = p.add_argument_group("model and hardware")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model name, a .gguf, a Hugging Face folder or a config.json alone (no weights needed)")
+    g.add_argument("--hardware", default=None,
+                   help="roofline on a datasheet profile: a100, h100, h200, l4, or a JSON profile file")
+    g.add_argument("--profile", default=None, metavar="FILE.json",
+                   help="a calibrated cost model of this machine, written by `tokenmill profile` (instead of "
+                        "--hardware)")
+    g.add_argument("--weight-dtype", default="bf16", help="roofline: weight bytes (bf16, fp8, int8, int4; default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", help="roofline: KV cache element (bf16, fp8, int8; default bf16)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="roofline: devices per replica (default 1)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool bytes (e.g. 40GiB); default: 90%% of the device memory less the weights "
+                        "(--hardware), or what the profile's engine had (--profile)")
+    g = p.add_argument_group("scheduling (the engine's flags)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 256 (CPU) / 8192 (GPU)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g = p.add_argument_group("load and SLOs")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="trace: stretch its recorded clock")
+    g.add_argument("--slo", "--goodput", dest="slo", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
+    g.add_argument("--slo-percentile", type=float, default=99.0, help="percentile that must meet them (default 99)")
+    g.add_argument("--think-time", type=float, default=30.0,
+                   help="seconds a user waits between a reply and their next request: users = rate x (think time "
+                        "+ mean latency) (default 30)")
+    g.add_argument("--compare", default=None, metavar="FLAGS",
+                   help="a second configuration: these flags over the first's, e.g. \"--hardware l4 "
+                        "--tensor-parallel-size 2\"; both are reported side by side")
+    g.add_argument("--plot", default=None, metavar="DIR", help="plots of the (best) run: latency CDFs, tokens in flight")
+    g.add_argument("--tokenizer", default=None, help="tokenizer that builds the prompts (default: --model's, or "
+                                                      "the embedded model's for a config alone)")
+    add_dataset_args(p)
+
+
+def model_config(model: str):  # noqa: ANN201
+    """(ModelConfig, name) of a model name, .gguf, HF folder or a config.json file, without weights."""
+    from tokenmill.models.hf_loader import hf_model_config
+
+    path = Path(model)
+    if path.is_file() and path.suffix == ".json":
+        return hf_model_config(path.parent, path.name), path.parent.name or model
+    if path.is_dir():
+        return hf_model_config(path), path.name
+    from tokenmill.models.gguf_loader import gguf_model_config, open_gguf
+    from tokenmill.models.registry import resolve_model
+
+    src = resolve_model(model)
+    if src.format != "gguf":
+        return hf_model_config(src.path), src.name
+    return gguf_model_config(open_gguf(src.path)), src.name
+
+
+def build(a: argparse.Namespace):  # noqa: ANN201
+    """(cost model, simulator, description) for one configuration's flags."""
+    from tokenmill.config import SchedulerConfig, parse_memory
+    from tokenmill.sim.cost import CalibratedCost, RooflineCost, kv_bytes_per_token
+    from tokenmill.sim.hardware import load_hardware
+    from tokenmill.sim.simulator import Simulator
+
+    cfg, name = model_config(a.model)
+    max_len = a.max_model_len or cfg.max_position_embeddings
+    if (a.hardware is None) == (a.profile is None):
+        raise ValueError("give one of --hardware (a datasheet roofline) or --profile (a `tokenmill profile` file)")
+    if a.profile is not None:
+        cost = CalibratedCost.load(a.profile)
+        kv_token = cost.meta.get("kv_bytes_per_token") or kv_bytes_per_token(cfg, "fp32")
+        pool = cost.meta.get("kv_cache_bytes", 2**30)
+        what = f"{name} on this machine (calibrated: {a.profile})"
+        budget = 256
+    else:
+        hw = load_hardware(a.hardware)
+        cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size)
+        kv_token = cost.kv_token_bytes
+        pool = 0.9 * hw.memory_bytes * a.tensor_parallel_size - cost.weight_bytes
+        if pool <= 0:
+            raise ValueError(f"{name}'s weights ({cost.weight_bytes / 1e9:.1f} GB) do not fit in "
+                             f"{a.tensor_parallel_size} x {hw.name}; raise --tensor-parallel-size or lower "
+                             "--weight-dtype")
+        what = f"{name} on {a.tensor_parallel_size} x {hw.name} (roofline; {hw.source})"
+        budget = 8192
+    if a.kv_cache_memory is not None:
+        kind, value = parse_memory(a.kv_cache_memory)
+        if kind != "bytes":
+            raise ValueError("--kv-cache-memory takes bytes here, e.g. 40GiB")
+        pool = value
+    num_blocks = int(pool // (kv_token * a.block_size))
+    if num_blocks < 1:
+        raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
+    sched = SchedulerConfig(max_num_seqs=a.max_num_seqs,
+                            max_num_batched_tokens=a.max_num_batched_tokens or budget,
+                            enable_chunked_prefill=a.enable_chunked_prefill)
+    sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True)
+    return cost, sim, what, kv_token
+
+
+def workload(a: argparse.Namespace):  # noqa: ANN201
+    from tokenmill.bench.datasets import PromptMaker, load_tokenizer, sample_requests
+    from tokenmill.bench.serve import dataset_spec
+
+    spec = dataset_spec(a)
+    spec.check()
+    tokenizer = a.tokenizer or (a.model if not a.model.endswith(".json") and not Path(a.model).is_dir() else
+                                "smollm2-135m-instruct")
+    return sample_requests(spec, PromptMaker(load_tokenizer(tokenizer)))
+
+
+def run_at(sim, requests, rate: float | None, a: argparse.Namespace, slos: dict):  # noqa: ANN001, ANN201
+    from tokenmill.bench.arrivals import schedule
+    from tokenmill.bench.metrics import calculate_metrics
+    from tokenmill.bench.runner import LoadSpec, RunResult
+
+    times = schedule(requests, rate, a.burstiness, a.seed, a.time_scale)
+    out = sim.run(requests, times.tolist(), seed=a.seed)
+    load = LoadSpec(rate, a.burstiness, None, a.time_scale, a.seed)
+    metrics = calculate_metrics(out.results, out.duration, slos, sorted({50, 90, 99, a.slo_percentile}))
+    return RunResult("simulated", load, out.results, out.duration, metrics), out
+
+
+def search(sim, requests, a, slos):  # noqa: ANN001, ANN201
+    """The highest Poisson/gamma rate whose SLO percentile holds: double until one fails, then bisect."""
+    from tokenmill.bench.metrics import meets_slo_percentile
+
+    ok = lambda r: meets_slo_percentile(r[0].metrics, slos, a.slo_percentile)  # noqa: E731
+    lo, hi, best, rate = None, None, None, 0.25
+    for _ in range(24):
+        r = run_at(sim, requests, rate, a, slos)
+        if ok(r):
+            lo, best = rate, r
+            rate *= 2
+        else:
+            hi = rate
+            break
+    if lo is None:
+        return None, r
+    for _ in range(SEARCH_STEPS if hi is not None else 0):
+        mid = (lo + hi) / 2
+        r = run_at(sim, requests, mid, a, slos)
+        if ok(r):
+            lo, best = mid, r
+        else:
+            hi = mid
+    return best, None
+
+
+def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  # noqa: ANN001
+    from tokenmill.bench.report import run_block
+
+    m = run.metrics
+    lines = [f"== {label}: {what}", run_block(run, sorted({50, 90, 99, a.slo_percentile}), slos)]
+    running = [s.num_running for s in out.steps] or [0]
+    peak_blocks = max((s.kv_blocks_used for s in out.steps), default=0)
+    mean_latency = m.get("mean_e2el_ms", 0.0) / 1e3
+    if run.load.request_rate is not None and not math.isinf(run.load.request_rate):
+        users = run.load.request_rate * (a.think_time + mean_latency)
+        lines.append(f"users supported: {users:.0f} (at {run.load.request_rate:.3g} req/s, a {a.think_time:g} s "
+                     f"think time and {mean_latency:.2f} s mean latency)")
+    lines.append(f"batch: mean {sum(running) / len(running):.1f}, max {max(running)} running requests; "
+                 f"KV memory: peak {peak_blocks * out.block_size * kv_token / 2**30:.2f} GiB of "
+                 f"{out.num_blocks * out.block_size * kv_token / 2**30:.2f} GiB; preemptions {out.num_preemptions}")
+    parts: dict[str, float] = {}
+    for s in out.steps:
+        for k, v in (s.breakdown or {}).items():
+            if k != "seconds":
+                parts[k] = parts.get(k, 0.0) + v
+    if "compute_s" in parts:
+        bound = {"compute": 0.0, "memory": 0.0}
+        for s in out.steps:
+            b = s.breakdown
+            bound["compute" if b["compute_s"] >= b["memory_s"] else "memory"] += b["seconds"]
+        total = sum(bound.values()) or 1.0
+        lines.append(f"where the time goes: {100 * bound['compute'] / total:.0f}% of step time in compute-bound steps "
+                     f"(prefill-heavy), {100 * bound['memory'] / total:.0f}% in bandwidth-bound ones (decode); "
+                     f"all-reduce {parts.get('comm_s', 0):.2f} s")
+    elif parts:
+        total = (parts.get("prefill_s", 0) + parts.get("decode_s", 0)) or 1.0
+        lines.append(f"where the time goes: prefill {100 * parts.get('prefill_s', 0) / total:.0f}%, decode "
+                     f"{100 * parts.get('decode_s', 0) / total:.0f}% of the token-dependent step time")
+    return "\n".join(lines)
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from tokenmill.bench.metrics import parse_goodput
+
+    slos = parse_goodput(a.slo) if a.slo else {}
+    configs = [("A" if a.compare else "simulated", a)]
+    if a.compare:
+        parser = argparse.ArgumentParser(prog="tokenmill simulate --compare", add_help=False)
+        add_simulate_args(parser)
+        # the second configuration: the first's values, with the --compare flags parsed over them
+        b = parser.parse_args(shlex.split(a.compare), namespace=argparse.Namespace(**vars(a)))
+        b.compare = None
+        configs.append(("B", b))
+    requests = workload(a)
+    for label, c in configs:
+        _, sim, what, kv_token = build(c)
+        if c.request_rate is not None or not slos:
+            run, out = run_at(sim, requests, c.request_rate, c, slos)
+        else:
+            best, worst = search(sim, requests, c, slos)
+            if best is None:
+                w = worst[0].metrics
+                print(f"== {label}: no rate meets the SLOs, not even {worst[0].load.request_rate:g} req/s: there "
+                      f"p{c.slo_percentile:g} TTFT {w[_key(c, 'ttft')]:.0f} ms, TPOT {w[_key(c, 'tpot')]:.1f} ms "
+                      f"(the best this configuration does)")
+                continue
+            run, out = best
+            print(f"== {label}: highest rate meeting the SLOs at p{c.slo_percentile:g}: "
+                  f"{run.load.request_rate:.3g} req/s")
+        print(report(label, run, out, what, kv_token, c, slos))
+        if c.plot:
+            from tokenmill.bench.plots import write_plots
+
+            for path in write_plots([run], str(Path(c.plot) / label), "rate", slos, c.slo_percentile):
+                print(f"plot {path}", file=sys.stderr)
+    return 0
+
+
+def _key(a, name: str) -> str:  # noqa: ANN001
+    from tokenmill.bench.metrics import percentile_key
+
+    return f"{percentile_key(a.slo_percentile)}_{name}_ms"

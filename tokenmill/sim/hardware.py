@@ -1,0 +1,67 @@
+"""Hardware profiles for the roofline cost model: dense peak FLOP/s per dtype, memory bandwidth and size,
+and the interconnect between devices. Datasheet figures, without sparsity; each names its source."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s (bf16, fp16, fp8, int8, fp32)
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: float
+    interconnect_bandwidth: float = 0.0  # bytes/s per device, one direction (NVLink, PCIe)
+    interconnect_latency: float = 5e-6  # s per collective step
+    source: str = ""
+    # fractions of peak a real kernel reaches; 1.0 = the pure roofline (the datasheet profiles keep it)
+    flops_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+    step_overhead: float = 0.0  # seconds per engine step (launches, scheduling, sampling)
+    extra: dict = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {dtype} peak in its profile (it has {', '.join(self.peak_flops)})")
+        return self.peak_flops[dtype] * self.flops_efficiency
+
+
+T, G = 1e12, 1e9
+KNOWN: dict[str, HardwareProfile] = {
+    "a100": HardwareProfile("A100 80GB SXM", {"bf16": 312 * T, "fp16": 312 * T, "int8": 624 * T, "fp32": 19.5 * T},
+                            2039 * G, 80 * G, 300 * G,
+                            source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 2,039 GB/s HBM2e, NVLink 600 GB/s "
+                                   "bidirectional)"),
+    "h100": HardwareProfile("H100 SXM", {"bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T, "int8": 1978.9 * T,
+                                         "fp32": 67 * T},
+                            3350 * G, 80 * G, 450 * G,
+                            source="NVIDIA H100 Tensor Core GPU datasheet (SXM: 3.35 TB/s HBM3, NVLink 900 GB/s "
+                                   "bidirectional; dense figures, half the sparse ones)"),
+    "h200": HardwareProfile("H200 SXM", {"bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T, "int8": 1978.9 * T,
+                                         "fp32": 67 * T},
+                            4800 * G, 141 * G, 450 * G,
+                            source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e at 4.8 TB/s, NVLink "
+                                   "900 GB/s bidirectional)"),
+    "l4": HardwareProfile("L4", {"bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T, "int8": 242.5 * T, "fp32": 30.3 * T},
+                          300 * G, 24 * G, 32 * G,
+                          source="NVIDIA L4 Tensor Core GPU datasheet (24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 64 GB/s "
+                                 "bidirectional; dense figures)"),
+}
+
+
+def load_hardware(spec: str) -> HardwareProfile:
+    """A known name (a100, h100, h200, l4) or a JSON file with HardwareProfile's fields."""
+    key = spec.lower()
+    if key in KNOWN:
+        return KNOWN[key]
+    path = Path(spec)
+    if path.suffix == ".json" and path.is_file():
+        try:
+            fields = json.loads(path.read_text())
+            return HardwareProfile(**fields)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"{spec} is not a hardware profile ({e}); give HardwareProfile's fields as JSON") from None
+    raise ValueError(f"unknown hardware {spec!r}: known are {', '.join(KNOWN)}, or a JSON profile file")

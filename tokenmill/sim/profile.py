@@ -1,0 +1,113 @@
+"""``tokenmill profile``: real step times of this machine over a grid of step shapes, and the calibrated
+cost model fitted to them (with its error on held-out steps).
+
+Grid: decode batches of 1-64 requests at contexts of 128-1024 tokens, prefill chunks of 16-256 tokens at
+a few offsets, and mixed steps (decodes plus a chunk). Every step runs through the engine's own
+ModelRunner (forward pass and sampling), on blocks borrowed from its pool; each point is the median of
+a few runs. Every fourth point is held out of the fit and predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 512, 1024)
+CHUNKS = (16, 64, 128, 256)
+CHUNK_STARTS = (0, 512)
+
+
+def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
+    """(decode requests, their context, prefill chunk tokens, chunk start) per point."""
+    batches = DECODE_BATCHES[::2] if quick else DECODE_BATCHES
+    pts = [(b, c, 0, 0) for b in batches for c in CONTEXTS]
+    pts += [(0, 0, n, s) for n in CHUNKS for s in CHUNK_STARTS]
+    pts += [(b, 512, n, 0) for b in (4, 16) for n in (64, 256)]
+    return pts
+
+
+def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple[object, float]:  # noqa: ANN001
+    """(the step's SchedulerOutput, median seconds of the runner executing it)."""
+    import torch
+
+    from tokenmill.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    b, ctx, n, start = point
+    kv = engine.kv_cache
+    scheduled, new, ids = [], [], []
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(b):
+        rid = f"__profile_d{i}"
+        table = kv.allocate_slots(rid, ctx)
+        scheduled.append(ScheduledRequest(rid, [1], ctx - 1, table, True))
+        new.append(NewRequestData(rid, [1] * (ctx - 1), [], sp, frozenset()))
+        ids.append(rid)
+    if n:
+        rid = "__profile_p"
+        table = kv.allocate_slots(rid, start + n)
+        scheduled.append(ScheduledRequest(rid, [1] * n, start, table, True))
+        new.append(NewRequestData(rid, [1] * (start + n), [], sp, frozenset()))
+        ids.append(rid)
+    if any(kv.block_tables.get(r) is None for r in ids):
+        for r in ids:
+            kv.free(r)
+        raise ValueError(f"the KV pool is too small for profile point {point}; raise --kv-cache-memory")
+    out = SchedulerOutput(scheduled, new, num_prefill_tokens=n, num_decode_tokens=b)
+    times = []
+    try:
+        with torch.inference_mode():
+            for r in range(repeats + 1):
+                step = out if r == 0 else SchedulerOutput(scheduled, [], num_prefill_tokens=n, num_decode_tokens=b)
+                t = time.perf_counter()
+                engine.runner.execute(step)
+                times.append(time.perf_counter() - t)
+                for s in scheduled:  # the runner appended a sampled token: keep the state as it was
+                    engine.runner.states[s.request_id].output_token_ids.clear()
+    finally:
+        engine.runner.execute(SchedulerOutput(finished_request_ids=list(ids)))
+        for r in ids:
+            kv.free(r)
+    return out, statistics.median(times[1:])
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from tokenmill.cli import engine_kwargs
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.sim.cost import CalibratedCost, StepShape
+
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(a)))
+    for layer in engine.runner.kv_caches:  # timing over a zeroed pool, not stale memory's NaNs or denormals
+        for t in layer:
+            t.zero_()
+    points = grid(a.quick)
+    shapes, seconds = [], []
+    for i, p in enumerate(points):
+        try:
+            out, s = measure(engine, p)
+        except ValueError as e:
+            print(f"[{i + 1}/{len(points)}] skipped: {e}", flush=True)
+            continue
+        shapes.append(StepShape.of(out))
+        seconds.append(s)
+        print(f"[{i + 1}/{len(points)}] decodes {p[0]} x ctx {p[1]}, chunk {p[2]} at {p[3]}: {1000 * s:.2f} ms",
+              flush=True)
+    if len(shapes) < 8:
+        raise ValueError("too few profile points fit in the KV pool; raise --kv-cache-memory")
+    fit_idx = [i for i in range(len(shapes)) if i % 4 != 3]
+    held = [i for i in range(len(shapes)) if i % 4 == 3]
+    model = CalibratedCost.fit([shapes[i] for i in fit_idx], [seconds[i] for i in fit_idx])
+    errors = [abs(model(shapes[i]) - seconds[i]) / seconds[i] for i in held]
+    print(f"held-out steps: mean error {100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}% "
+          f"({len(held)} of {len(shapes)} points)")
+    final = CalibratedCost.fit(shapes, seconds, {
+        "model": engine.model_name, "quantization": engine.quantization,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_cache_bytes": engine.kv_cache.num_blocks * engine.kv_cache.block_size * engine.kv_bytes_per_token,
+        "held_out_mean_error": statistics.mean(errors)})
+    final.save(a.output)
+    print(f"saved {a.output}")
+    return 0

@@ -1,0 +1,120 @@
+"""The discrete-event simulator: the real Scheduler and KVCacheManager, a clock a cost model advances.
+
+Requests arrive on the benchmark's schedule; whenever the scheduler has work, one step is scheduled
+exactly as the engine would schedule it, its duration is predicted from its shape, the clock moves on by
+that much, and every request that needed a token gets one (never end-of-sequence: each runs to its
+max_tokens, as ``tokenmill bench`` asks with EOS ignored). Each request's arrival, first-token and
+per-token times come out as the benchmark's ``RequestResult``, so its metrics, reports and plots apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.bench.client import RequestResult
+from tokenmill.bench.datasets import SampleRequest
+from tokenmill.config import SchedulerConfig
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.sim.cost import StepShape
+
+SIM_TOKEN = 1  # what every simulated step "samples": any id that is not a stop token
+
+
+@dataclass(frozen=True)
+class SimStep:
+    start: float
+    duration: float
+    prefill_tokens: int
+    decode_tokens: int
+    scheduled: tuple[tuple[str, int], ...]  # (request id, tokens computed) in scheduling order
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    breakdown: dict | None = None  # the cost model's account of the step, where it gives one
+
+
+@dataclass
+class SimResult:
+    results: list[RequestResult]
+    steps: list[SimStep]
+    duration: float
+    num_preemptions: int
+    num_blocks: int
+    block_size: int
+
+
+class Simulator:
+    def __init__(self, cost: Callable[[StepShape], float], scheduler: SchedulerConfig, num_blocks: int,
+                 block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
+                 keep_breakdown: bool = False) -> None:
+        self.cost, self.config = cost, scheduler
+        self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
+        self.enable_prefix_caching, self.keep_breakdown = enable_prefix_caching, keep_breakdown
+
+    def run(self, requests: Sequence[SampleRequest], arrivals: Sequence[float], seed: int = 0) -> SimResult:
+        kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        sched = Scheduler(self.config, kv, self.max_model_len)
+        now = 0.0
+        sched.clock = lambda: now
+        rng = np.random.default_rng(seed)
+        order = np.argsort(np.asarray(arrivals, dtype=float), kind="stable")
+        by_id: dict[str, tuple[int, Request]] = {}
+        steps: list[SimStep] = []
+        rejected: dict[int, str] = {}
+        i, n = 0, len(requests)
+        breakdown = getattr(self.cost, "breakdown", None) if self.keep_breakdown else None
+        while i < n or sched.has_unfinished():
+            while i < n and arrivals[order[i]] <= now:
+                k = int(order[i])
+                i += 1
+                r = requests[k]
+                ids = list(r.prompt_ids) if r.prompt_ids else rng.integers(100, 30000, max(r.prompt_len, 1)).tolist()
+                req = Request(str(k), ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), frozenset(),
+                              r.output_len)
+                req.timings.arrival = float(arrivals[k])
+                try:
+                    sched.add_request(req)
+                except ValueError as e:  # can never fit: the server would answer 400
+                    rejected[k] = str(e)
+                    continue
+                by_id[req.request_id] = (k, req)
+            if not sched.has_unfinished():
+                if i < n:
+                    now = float(arrivals[order[i]])
+                continue
+            out = sched.schedule()
+            if out.is_empty:  # nothing can run until more arrives (cannot happen with work admitted)
+                if i >= n:
+                    raise RuntimeError("the simulated scheduler stalled with requests left")
+                now = float(arrivals[order[i]])
+                continue
+            shape = StepShape.of(out)
+            dt = self.cost(shape)
+            start = now
+            now += dt
+            result = ModelRunnerOutput({s.request_id: [SIM_TOKEN] for s in out.scheduled if s.needs_logits})
+            sched.update_from_output(out, result)
+            steps.append(SimStep(start, dt, out.num_prefill_tokens, out.num_decode_tokens,
+                                 tuple((s.request_id, len(s.token_ids)) for s in out.scheduled),
+                                 len(sched.running), len(sched.waiting), kv.num_blocks - kv.num_free_blocks,
+                                 breakdown(shape) if breakdown else None))
+        results = [self._result(k, requests[k], by_id.get(str(k)), rejected.get(k)) for k in range(n)]
+        return SimResult(results, steps, now, sched.num_preemptions, self.num_blocks, self.block_size)
+
+    @staticmethod
+    def _result(k: int, r: SampleRequest, entry, error: str | None) -> RequestResult:
+        if entry is None:
+            return RequestResult(k, r.prompt_len, r.output_len, success=False, error=error or "not run", status=400)
+        _, req = entry
+        t = req.timings
+        times = t.token_times
+        return RequestResult(k, r.prompt_len, r.output_len, scheduled_s=t.arrival, start_s=t.arrival,
+                             end_s=t.finished, success=True, status=200, ttft_s=times[0] - t.arrival,
+                             itl_s=[b - a for a, b in zip(times, times[1:])], e2el_s=t.finished - t.arrival,
+                             prompt_tokens=req.num_prompt_tokens, completion_tokens=len(times), finish_reason="length")
