@@ -127,8 +127,8 @@ def test_cli_answers_and_errors(tmp_path, capsys):
     from tokenmill.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    base = ["simulate", "--model", str(tmp_path / "config.json"), "--dataset", "random", "--num-prompts", "200",
-            "--input-len", "512", "--output-len", "128", "--tokenizer", "smollm2-135m-instruct"]
+    base = ["simulate", "--model", str(tmp_path / "config.json"), "--dataset", "random", "--num-prompts", "50",
+            "--input-len", "512", "--output-len", "128", "--tokenizer", "smollm2-135m-instruct", "--duration", "5"]
     assert main(base + ["--hardware", "h100", "--slo", "ttft:500", "tpot:50"]) == 0
     text = capsys.readouterr().out
     rate = float(text.split("highest rate meeting the SLOs at p99: ")[1].split()[0])

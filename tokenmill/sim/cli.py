@@ -39,6 +39,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", type=float, default=None,
                    help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    g.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of arrivals simulated at each rate: rate x duration requests (at least "
+                        "--num-prompts; the workload's requests are cycled, each with fresh random tokens where "
+                        "it has none of its own), so an overload shows as a queue that keeps growing (default 60)")
     g.add_argument("--time-scale", type=float, default=1.0, help="trace: stretch its recorded clock")
     g.add_argument("--slo", "--goodput", dest="slo", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
@@ -127,11 +131,23 @@ def workload(a: argparse.Namespace):  # noqa: ANN201
     return sample_requests(spec, PromptMaker(load_tokenizer(tokenizer)))
 
 
+MAX_REQUESTS = 100_000  # the rate search stops where a window would need more
+
+
+def window(requests, rate: float | None, a: argparse.Namespace):  # noqa: ANN001, ANN201
+    """The requests of --duration seconds at ``rate``: the workload cycled to rate x duration of them."""
+    if rate is None or math.isinf(rate) or requests[0].arrival_s is not None:
+        return requests
+    n = max(len(requests), math.ceil(rate * a.duration))
+    return [requests[i % len(requests)] for i in range(n)]
+
+
 def run_at(sim, requests, rate: float | None, a: argparse.Namespace, slos: dict):  # noqa: ANN001, ANN201
     from tokenmill.bench.arrivals import schedule
     from tokenmill.bench.metrics import calculate_metrics
     from tokenmill.bench.runner import LoadSpec, RunResult
 
+    requests = window(requests, rate, a)
     times = schedule(requests, rate, a.burstiness, a.seed, a.time_scale)
     out = sim.run(requests, times.tolist(), seed=a.seed)
     load = LoadSpec(rate, a.burstiness, None, a.time_scale, a.seed)
@@ -146,6 +162,11 @@ def search(sim, requests, a, slos):  # noqa: ANN001, ANN201
     ok = lambda r: meets_slo_percentile(r[0].metrics, slos, a.slo_percentile)  # noqa: E731
     lo, hi, best, rate = None, None, None, 0.25
     for _ in range(24):
+        if len(window(requests, rate, a)) > MAX_REQUESTS:
+            print(f"the search stops at {rate / 2:g} req/s: a {a.duration:g} s window at {rate:g} req/s would be "
+                  f"more than {MAX_REQUESTS} requests (lower --duration to go on); the answer is a lower bound",
+                  file=sys.stderr)
+            break
         r = run_at(sim, requests, rate, a, slos)
         if ok(r):
             lo, best = rate, r
