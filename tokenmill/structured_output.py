@@ -76,8 +76,8 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured output: {e}") from None
         import llguidance
 
-        ok, error = _validate(llguidance.LLMatcher, grammar, self.ll_tokenizer)
-        if not ok:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when valid
+        if error:
             raise ValueError(f"invalid structured output: {error}")
         m = self.matcher(grammar)
         if m.is_error():
@@ -99,14 +99,6 @@ class GrammarCompiler:
         if eos is not None:
             bits[eos // 8] &= ~(1 << (eos % 8)) & 0xFF
         return any(bits)
-
-
-def _validate(cls, grammar: str, tokenizer) -> tuple[bool, str]:
-    result = cls.validate_grammar(grammar, tokenizer)
-    if isinstance(result, tuple):  # (ok, messages) in some llguidance versions
-        ok, msgs = result
-        return bool(ok), "; ".join(map(str, msgs)) if not isinstance(msgs, str) else msgs
-    return not result, str(result or "")
 
 
 def build_constraints(params: SamplingParams, tokenizer, vocab_size: int,

@@ -22,8 +22,8 @@ No tensors here: the simulator and the CPU tests drive this exact code.
 from __future__ import annotations
 
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
@@ -96,8 +96,8 @@ class Scheduler:
         """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
         request and step, d of them costing ``proposer.draft_cost(batch)(d)`` decode steps (the off rule);
         ``may_draft(request, batch)`` says whether it may draft for a request now, ``propose_batch`` is
-        asked once a step for the
-        drafts of every decoding request that may draft, ``finish`` when a request ends."""
+        asked once a step for the drafts of every decoding request that may draft, ``finish`` when a
+        request ends."""
         self.config = config
         self.proposer = proposer
         self.kv_cache = kv_cache

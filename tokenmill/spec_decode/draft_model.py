@@ -34,6 +34,7 @@ class _Cached:
     block_table: list[int]  # the blocks they were written into
     params: object  # the request's SamplingParams, penalties removed
     generator: torch.Generator | None
+    stable: int = 0  # the request's length at the last proposal: tokens before it are final
 
 
 class DraftModelProposer:
@@ -58,10 +59,9 @@ class DraftModelProposer:
     def _valid_prefix(self, c: _Cached, token_ids: list[int], table: list[int]) -> int:
         """How many leading tokens still have the right drafter KV: the same tokens, in the same blocks
         (a preempted request comes back on other blocks)."""
-        n = 0
-        for a, b in zip(c.token_ids, token_ids):
-            if a != b:
-                break
+        # a request's tokens up to its length at the last proposal never change: compare only after them
+        n = min(c.stable, len(c.token_ids), len(token_ids))
+        while n < min(len(c.token_ids), len(token_ids)) and c.token_ids[n] == token_ids[n]:
             n += 1
         same_blocks = 0
         for a, b in zip(c.block_table, table):
@@ -85,7 +85,8 @@ class DraftModelProposer:
                 c = self.cached[req.request_id] = _Cached([], [], params, gen)
             ids = req.all_token_ids
             start = min(self._valid_prefix(c, ids, table), len(ids) - 1)  # the last token's logits are needed
-            c.token_ids, c.block_table = list(ids[:start]), list(table)
+            del c.token_ids[start:]  # in place: the drafter's KV beyond start is stale
+            c.block_table, c.stable = list(table), len(ids)
             entries.append((req.request_id, c, ids[start:], start, room))
 
         drafts: dict[str, list[int]] = {rid: [] for rid, *_ in entries}

@@ -358,12 +358,13 @@ class ModelRunner:
                 bias.append((i, torch.tensor(ids, device=dev), torch.tensor(vals, dtype=torch.float32, device=dev)))
             if p.allowed_token_ids is not None:
                 allowed.append((i, torch.tensor(p.allowed_token_ids, device=dev)))
-            c = getattr(s, "constraints", None)
+            c = s.constraints
             if c is not None and c.bad_words_token_ids:
-                words = banned_by_bad_words(c.bad_words_token_ids, list(s.output_token_ids) + list(e))
+                longest = max(len(w) for w in c.bad_words_token_ids)  # only the output's tail can match
+                words = banned_by_bad_words(c.bad_words_token_ids, list(s.output_token_ids[-longest:]) + list(e))
                 if words:
                     banned.append((i, words))
-            if getattr(s, "matcher", None) is not None:
+            if s.matcher is not None:
                 grammar_rows.append(i)
                 masks.append(self._grammar_mask(s.matcher, e, s.eos_token_ids))
         b.logit_bias = bias or None
