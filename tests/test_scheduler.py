@@ -374,6 +374,45 @@ def test_preemption_picks_most_recently_admitted_and_requeues_it_at_the_front():
     assert len(sched.kv_cache.block_tables["a"]) == 2
 
 
+def test_a_request_preempted_max_times_runs_first():
+    """c was preempted MAX_PREEMPTIONS - 1 times: preempted once more it is promoted, readmitted ahead
+    of the running requests, and from then on others are preempted before it."""
+    from tokenmill.core.scheduler import MAX_PREEMPTIONS
+
+    sched, runner, reqs = _preemption_setup()
+    c = reqs["c"]
+    c.num_preemptions = MAX_PREEMPTIONS - 1
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ["c"] and c.promoted
+    for _ in steps_while(lambda: c.status is not RequestStatus.RUNNING):
+        step(sched, runner)
+    assert sched.running[0] is c  # the last victim now
+
+
+def test_thrashing_is_bounded():
+    """A long low-priority request and a stream of urgent ones through a small pool: without a bound
+    the long one loses its KV at every arrival; with it, at most MAX_PREEMPTIONS times, and all finish."""
+    from tokenmill.core.scheduler import MAX_PREEMPTIONS
+
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler(SchedulerConfig(8, 64, False, policy="priority"), kv, 256)
+    runner = FakeRunner(sched)
+    low = make_request("low", 8, max_tokens=16)
+    low.priority = 1
+    sched.add_request(low)
+    done, k = {}, 0
+    for n in range(2000):  # (with no bound, this workload preempts the long request 10 times)
+        if n % 4 == 0 and k < 30:
+            sched.add_request(make_request(f"urgent{k}", 4, max_tokens=8))
+            k += 1
+        if not sched.has_unfinished():
+            break
+        _, finished = step(sched, runner)
+        done.update((r.request_id, r) for r in finished)
+    assert len(done) == 31 and kv.num_free_blocks == 8
+    assert 0 < low.num_preemptions <= MAX_PREEMPTIONS
+
+
 def test_no_admission_in_a_step_that_preempted():
     # 5 blocks of 2, budget 6, chunked. Step 1: a's prompt (1 block) and 4 of b's 7 (2 blocks).
     # Step 2: a's decode takes a 4th block; b's next 3 tokens need 2 more, 1 is free, so b (the newest)

@@ -199,7 +199,7 @@ def test_bad_policy_values_are_rejected():
 def test_chunked_prefill_is_on_by_default_with_its_own_budget():
     import argparse
 
-    from tokenmill.cli import add_engine_args, engine_kwargs
+    from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
     from tokenmill.config import CHUNKED_BUDGET, UNCHUNKED_BUDGET, EngineConfig
 
     assert SchedulerConfig().enable_chunked_prefill

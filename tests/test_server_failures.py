@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import os
@@ -21,18 +20,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tokenmill.config import ModelConfig, SchedulerConfig
+from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
 from tokenmill.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
+from tokenmill.engine.core import EngineCore
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.messages import CoreInfo
 from tokenmill.structured_output import GrammarCompiler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
@@ -76,19 +75,18 @@ def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: i
                 delay: float = 0.01) -> LLMEngine:
     """An LLMEngine whose model is a FakeRunner; everything else is the real engine code."""
     tok = tiny_tokenizer()
-    e = LLMEngine.__new__(LLMEngine)
-    e.model_name = "fake"
-    e.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
-    e.tokenizer, e.max_model_len = tok, max_model_len
-    e.kv_cache = KVCacheManager(num_blocks, block_size)
-    e.scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096), e.kv_cache,
-                            max_model_len)
-    e.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
-    e.grammars = GrammarCompiler(tok, tok.vocab_size)
-    e.output_processor = OutputProcessor(tok)
-    e.step_stats = deque(maxlen=1000)
-    e._ids = itertools.count()
-    return e
+    core = EngineCore.__new__(EngineCore)
+    core.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
+    core.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
+    core.tokenizer = tok
+    core.kv_cache = KVCacheManager(num_blocks, block_size)
+    core.scheduler = Scheduler(core.config.scheduler, core.kv_cache, max_model_len)
+    core.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
+    core.grammars = GrammarCompiler(tok, tok.vocab_size)
+    core.info = CoreInfo("fake", "fake", core.model_config, max_model_len, "float32", "none", num_blocks, block_size,
+                         0, False, core.config)
+    core.start_loop()
+    return LLMEngine.from_core(core)
 
 
 @contextlib.contextmanager

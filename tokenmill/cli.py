@@ -7,119 +7,7 @@ import json
 import logging
 import sys
 
-from tokenmill.config import QUANTIZATION_CHOICES
-from tokenmill.models.registry import DEFAULT_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"built-in alias, .gguf file, Hugging Face model folder or hub id org/name (default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; auto: float32 on a CPU where tokenmill's kernels build (every mode batch "
-                        "invariant there), bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX but no kernels, else "
-                        "float32")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
-    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
-                   help="weights: auto (default: gguf for a GGUF file whose layers are Q4_0/Q4_1/Q8_0, on the CPU "
-                        "in float32 with the kernels built; else none); none (float); int8 (per output channel); "
-                        "int4 (groups of 32, scale and zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 "
-                        "blocks). Quantized layers run integer CPU kernels")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length to serve (default: the model's)")
-    g.add_argument("--kv-cache-memory", default="0.1",
-                   help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.1 = 10%%; default)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="KV cache storage: auto (the model dtype, default); int8 or fp8 (e4m3) with a float32 scale "
-                        "per token and head: about 3.8x the tokens of a float32 cache in the same memory")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, default 16)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, prefill and decode together (default 256 with chunked "
-                        "prefill, 8192 without; raise it on a GPU)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps under the token budget, running decodes first "
-                        "(default on; --no-enable-chunked-prefill runs each prompt whole)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of a prompt prefix already computed (shared system prompts, "
-                        "multi-turn chats); default on, as in vLLM: on the CPU kernels a request's outputs are the "
-                        "same bits with or without a cache hit; --no-enable-prefix-caching turns it off")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: arrival order (default); priority: lower request priority runs first, "
-                        "ties by arrival, and the lowest-priority running request is preempted first")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="what a preempted request loses: recompute drops its KV and computes it again "
-                        "(default); swap (GPU only) copies its KV blocks to host memory and back when it resumes")
-    g.add_argument("--starvation-timeout", type=float, default=30.0,
-                   help="priority policy: seconds a request may wait before it is promoted ahead of all "
-                        "others (default 30)")
-    g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
-    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
-                   help="speculative decoding (default off): ngram drafts tokens by prompt lookup over each "
-                        "request's own tokens, draft by a smaller model (--speculative-model); the target "
-                        "verifies them in the same step, keeping its distribution exactly (greedy outputs are "
-                        "unchanged)")
-    g.add_argument("--speculative-model", default=None,
-                   help="the draft model (implies --speculative-method draft): a name as --model takes it, a "
-                        ".gguf file or a Hugging Face folder with the target's tokenizer; e.g. the target with "
-                        "--quantization none and the same file as drafter serves float outputs at close to "
-                        "quantized speed")
-    g.add_argument("--speculative-quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
-                   help="the draft model's weights, as --quantization (default auto)")
-    g.add_argument("--num-speculative-tokens", type=int, default=3,
-                   help="most draft tokens per request and step (default 3)")
-    g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
-    g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match (default 4)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--generation-config", default="auto",
-                   help="where the sampling defaults come from: auto (default) = the model's "
-                        "generation_config.json where it ships one (a Hugging Face folder), else tokenmill's "
-                        "(temperature 0.8, top-k 40, top-p 0.95, min-p 0.05: llama.cpp's); vllm = tokenmill's "
-                        "only; a folder = its generation_config.json. Flags below win over both")
-    g.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default 256, or the "
-                                                                     "generation config's max_new_tokens)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy; default 0.8 or the generation config's")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; default 0.95")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off); default 40")
-    g.add_argument("--min-p", type=float, default=None,
-                   help="drop tokens below min_p x the top probability; default 0.05")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="default 1.0 (off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
-                   help="per-request sampling seed (same seed, same output)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    g.add_argument("-n", type=int, default=1, help="completions per prompt")
-    g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs per token")
-
-
-def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
-                kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
-                enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
-                preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed,
-                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-                prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
-                speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization)
-
-
-def sampling_params(a: argparse.Namespace, model_path=None):
-    """The command's SamplingParams: its flags over the --generation-config defaults for model_path."""
-    from tokenmill.generation_config import sampling_defaults
-    from tokenmill.sampling_params import SamplingParams
-
-    d = sampling_defaults(a.generation_config, model_path)
-    pick = {k: getattr(a, k) if getattr(a, k) is not None else d[k]
-            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")}
-    return SamplingParams(
-        n=a.n, presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty, seed=a.sampling_seed,
-        stop=a.stop, ignore_eos=a.ignore_eos, logprobs=a.logprobs, **pick,
-    )
+from tokenmill.engine.arg_utils import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -281,8 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(pr)
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
     return p
-
-
 
 
 

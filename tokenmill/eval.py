@@ -72,7 +72,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 def cmd_perplexity(a: argparse.Namespace) -> int:
     import torch  # here, not at the top: `tokenmill --help` builds this parser and must not load torch
 
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.engine.llm import LLM
 
     path = Path(a.dataset)

@@ -99,18 +99,6 @@ class DatasetSpec:
                 raise ValueError(f"--dataset-path {self.path!r} is not a file; give the path of an existing file")
 
 
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of a built-in alias, a .gguf file or a Hugging Face folder (no weights loaded)."""
-    from tokenmill.models.registry import resolve_model
-
-    src = resolve_model(model)
-    if src.format == "gguf":
-        from tokenmill.models.gguf_loader import open_gguf
-
-        return Tokenizer.from_gguf(open_gguf(src.path))
-    return Tokenizer.from_hf_folder(src.path)
-
-
 class PromptMaker:
     """Makes prompt texts of exact token lengths for one tokenizer."""
 

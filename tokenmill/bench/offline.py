@@ -45,7 +45,7 @@ def build_requests(a: argparse.Namespace, tokenizer) -> list[tuple[list[int], in
 
 
 def cmd_bench_offline(a: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.engine.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 

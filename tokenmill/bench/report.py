@@ -37,6 +37,8 @@ def run_block(r: RunResult, percentiles: Sequence[float], slos: dict[str, float]
     row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", m["max_concurrent_requests"])
     row("Total token throughput (tok/s):", m["total_token_throughput"], ".2f")
+    if "engine_idle_fraction" in m:
+        row("Engine step-loop idle fraction:", m["engine_idle_fraction"], ".2f")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for name, title in titles.items():
@@ -88,7 +90,7 @@ COMPARED = (("request_throughput", "req/s", ".2f"), ("output_throughput", "out t
             ("median_ttft_ms", "p50 TTFT ms", ".0f"), ("p99_ttft_ms", "p99 TTFT ms", ".0f"),
             ("median_tpot_ms", "p50 TPOT ms", ".1f"), ("p99_tpot_ms", "p99 TPOT ms", ".1f"),
             ("p99_itl_ms", "p99 ITL ms", ".1f"), ("median_e2el_ms", "p50 E2EL ms", ".0f"),
-            ("request_goodput", "goodput req/s", ".2f"))
+            ("request_goodput", "goodput req/s", ".2f"), ("engine_idle_fraction", "engine idle", ".2f"))
 
 
 def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], over: str) -> str:

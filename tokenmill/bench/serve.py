@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from tokenmill.bench.client import ENDPOINTS, ApiConfig, wait_until_ready
-from tokenmill.bench.datasets import DATASETS, DatasetSpec, load_tokenizer, sample_requests
+from tokenmill.bench.datasets import DATASETS, DatasetSpec, sample_requests
+from tokenmill.tokenizer import load_tokenizer
 from tokenmill.bench.metrics import parse_goodput, parse_percentiles
 from tokenmill.bench.report import compare_table, run_block, sustainable_point, sweep_table
 from tokenmill.bench.runner import LoadSpec, RunResult, run_async

@@ -90,6 +90,34 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
 
 
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int,
+               config: SchedulerConfig) -> None:
+    """Raise ValueError if a request of this size could never run (the front end asks before it sends
+    a request to the engine core, wherever that runs)."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
+            f"model's context length of {max_model_len} tokens; shorten the prompt or lower max_tokens"
+        )
+    need = -(-total // block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"this request needs {need} KV blocks ({total} tokens) but the whole KV cache has "
+            f"{num_blocks}; raise --kv-cache-memory or lower max_tokens"
+        )
+    if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
+        raise ValueError(
+            f"prompt + max_tokens ({total} tokens) exceeds max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}) and chunked prefill is off; raise "
+            "--max-num-batched-tokens or pass --enable-chunked-prefill"
+        )
+
+
+# A request preempted this many times is promoted: it runs first and is the last victim (no thrash).
+MAX_PREEMPTIONS = 3
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  proposer=None) -> None:
@@ -115,24 +143,8 @@ class Scheduler:
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError if a request of this size could never run."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-                f"model's context length of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
-            )
-        need = self.kv_cache.blocks_needed(total)
-        if need > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"this request needs {need} KV blocks ({total} tokens) but the whole KV cache has "
-                f"{self.kv_cache.num_blocks}; raise --kv-cache-memory or lower max_tokens"
-            )
-        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt + max_tokens ({total} tokens) exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) and chunked prefill is off; raise "
-                "--max-num-batched-tokens or pass --enable-chunked-prefill"
-            )
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv_cache.num_blocks,
+                   self.kv_cache.block_size, self.config)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -241,7 +253,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
-            self.running.append(req)
+            if req.promoted:  # ahead of every victim (the priority policy also sorts it first)
+                self.running.insert(0, req)
+            else:
+                self.running.append(req)
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
                 out.new_requests.append(
@@ -314,6 +329,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if req.num_preemptions >= MAX_PREEMPTIONS:
+            req.promoted = True  # no thrash: from now on it runs first, and others are preempted before it
         self.waiting.add_preempted(req)
         out.preempted_request_ids.append(req.request_id)
 

@@ -26,11 +26,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenmill.engine.llm_engine import StepStats
+from tokenmill.engine.messages import StepStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.async_engine")
+IDLE_CHECK_S = 0.25  # while idle, how often the loop looks whether an engine core process is still alive
 request_logger = logging.getLogger("tokenmill.requests")
 stats_logger = logging.getLogger("tokenmill.stats")
 
@@ -59,6 +60,7 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_steps: int = 0
     num_open_streams: int = 0
+    busy_seconds: float = 0.0  # the engine core's time in steps since it started
 
 
 class EngineObserver(Protocol):
@@ -351,7 +353,8 @@ class AsyncEngine:
                     self._after_step(now)
                 else:
                     self._update_snapshot()
-                    self._wakeup.wait(1.0)
+                    self._wakeup.wait(IDLE_CHECK_S)
+                    engine.check_alive()
                     if not (self._interval_prompt or self._interval_gen or self._interval_finished):
                         self._interval_start = time.perf_counter()  # stats intervals count busy time
             self._abort_all("engine shut down")
@@ -359,6 +362,10 @@ class AsyncEngine:
             self._die(e)
         finally:
             self._update_snapshot()
+            try:
+                engine.shutdown()  # an engine core process goes with the loop that fed it
+            except Exception:  # noqa: BLE001
+                logger.exception("could not stop the engine core")
 
     def _apply_commands(self) -> None:
         while True:
@@ -384,22 +391,16 @@ class AsyncEngine:
         try:
             limit = self.max_waiting_requests
             n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
-            if limit is not None and len(engine.scheduler.waiting) + n > limit:
+            if limit is not None and engine.num_waiting + n > limit:
                 raise QueueFullError(
-                    f"the server is overloaded: {len(engine.scheduler.waiting)} sequences are waiting and the "
+                    f"the server is overloaded: {engine.num_waiting} sequences are waiting and the "
                     f"limit is {limit} (--max-waiting-requests); retry later")
-            rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens)
+            # The command waited for the step in flight; latencies count from the real arrival.
+            rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
+                                     arrival_time=cmd.arrival_time)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too
             cmd.future.set_exception(e)
             return
-        if cmd.arrival_time is not None:
-            # The engine stamps arrival when add_request runs, i.e. after this command waited for the
-            # step in flight; the request arrived earlier. Latency metrics count from the real arrival.
-            scheduler = engine.scheduler
-            for cid in engine.output_processor.child_ids(rid):
-                req = scheduler.requests.get(cid)
-                if req is not None and cmd.arrival_time < req.timings.arrival:
-                    req.timings.arrival = cmd.arrival_time
         self._streams[rid] = cmd.stream
         self._progress[rid] = [0] * (cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
         cmd.future.set_result(rid)
@@ -457,9 +458,7 @@ class AsyncEngine:
                 _log_finished(out, now)
 
     def _after_step(self, now: float) -> None:
-        engine = self.engine
-        stats = engine.step_stats[-1] if engine.step_stats else None
-        if stats is not None:
+        for stats in self.engine.last_step_stats:
             self._interval_queries += stats.prefix_cache_queries
             self._interval_hits += stats.prefix_cache_hits
             if stats.spec is not None:
@@ -483,14 +482,14 @@ class AsyncEngine:
 
     def _spec_text(self) -> str:
         """vLLM's SpecDecoding log line: acceptance rate and mean accepted length (accepted + 1 per draft)."""
-        if self.engine.scheduler.proposer is None or not self._interval_drafts:
+        if not self.engine.speculative or not self._interval_drafts:
             return ""
         rate = self._interval_accepted / self._interval_draft_tokens
         mean_len = 1 + self._interval_accepted / self._interval_drafts
         return f"; speculative decoding: acceptance rate {100 * rate:.1f}%, mean acceptance length {mean_len:.2f}"
 
     def _prefix_hit_rate_text(self) -> str:
-        if not getattr(self.engine.kv_cache, "enable_prefix_caching", False):
+        if not self.engine.config.cache.enable_prefix_caching:
             return ""
         rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
         return f"; prefix cache hit rate {100 * rate:.1f}%"
@@ -498,10 +497,11 @@ class AsyncEngine:
     def _update_snapshot(self) -> None:
         engine = self.engine
         try:
-            kv = engine.kv_cache
+            state, num_blocks = engine.state, engine.info.num_blocks
             self.snapshot = EngineSnapshot(
-                len(engine.scheduler.running), len(engine.scheduler.waiting), kv.usage, kv.num_free_blocks,
-                kv.num_blocks, engine.num_preemptions, self._num_steps, len(self._streams))
+                state.num_running, state.num_waiting, 1.0 - state.num_free_blocks / num_blocks,
+                state.num_free_blocks, num_blocks, state.num_preemptions, self._num_steps, len(self._streams),
+                state.busy_seconds)
         except Exception:  # noqa: BLE001 - a broken engine must not break reporting
             logger.exception("could not read engine state")
 

@@ -1,4 +1,11 @@
-"""LLMEngine: the step loop. Each step is schedule -> run the model -> apply -> emit outputs."""
+"""LLMEngine: the front end of the step loop. Tokenize and validate, hand sequences to the engine
+core, turn what each step produced into RequestOutputs (detokenization, stop strings, logprobs).
+
+The engine core (engine/core.py: scheduler, KV cache, model runner) runs in this process by default,
+or with ``core_process=True`` (``--engine-core-process``) in its own process behind ZeroMQ
+(engine/core_process.py); either way this class talks to it in the same messages (engine/messages.py)
+and keeps its own copy of each sequence's Request, which the core's outputs bring up to date.
+"""
 
 from __future__ import annotations
 
@@ -7,205 +14,117 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from pathlib import Path
 
-_t = time.perf_counter()
-import torch  # noqa: E402 -- timed: the first startup phase
-
-TORCH_IMPORT_S = time.perf_counter() - _t
-
-from tokenmill.config import EngineConfig, parse_memory
-from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import check_fits
+from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutput, CoreState, CoreStep, StepStats
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.layers.kernels import cpu_kernels
-from tokenmill.models.loader import load_model
-from tokenmill.models.registry import resolve_model
 from tokenmill.outputs import RequestOutput
-from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.draft_model import DraftModelProposer
 from tokenmill.structured_output import GrammarCompiler, build_constraints
-from tokenmill.spec_decode.ngram import NgramProposer
-from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
-from tokenmill.spec_decode.stats import SpecStepStats, step_acceptance
-from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token
 
+__all__ = ["LLMEngine", "StepStats"]
 logger = logging.getLogger("tokenmill")
-# Devices whose KV cache is not host memory, where --preemption-mode swap pays (tests add "cpu" to
-# exercise the same code on this machine).
-SWAP_DEVICES = ("cuda",)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One engine step, for metrics and the simulator's calibration."""
-
-    start_time: float
-    duration: float
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_scheduled_requests: int
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    num_preemptions: int  # preemptions in this step
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
-    prefix_cache_hits: int = 0  # of which found cached
-    spec: SpecStepStats | None = None  # speculative decoding, when on
-
-
-class StartupPhases:
-    """Times the engine's startup phases and logs each at debug level (``--log-level debug``) with the
-    process's peak resident memory so far: where a slow or large start goes."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {"import torch": TORCH_IMPORT_S}
-        self._t = time.perf_counter()
-        logger.debug("startup: import torch %.3f s", TORCH_IMPORT_S)
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = now - self._t
-        self._t = now
-        try:
-            import resource
-
-            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
-        except ImportError:  # not on this platform
-            peak = "?"
-        logger.debug("startup: %s %.3f s (peak resident %s)", name, self.seconds[name], peak)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        phase = self.startup = StartupPhases()
-        self.device = resolve_device(config.device)
-        if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
-            raise ValueError(
-                f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
-                "the KV cache is already in host memory, so it would only copy it to itself: use 'recompute'")
-        torch.manual_seed(config.seed)
-        source = resolve_model(config.model)
-        self.model_name = source.name
-        self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
-        # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
-        # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
-        self.dtype = resolve_dtype(config.dtype, self.device,
-                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
-        phase("kernels")
-        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
-                            phase=phase)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.max_model_len
-        self.quantization = loaded.quantization  # "auto" resolved
+    def __init__(self, config: EngineConfig, *, core_process: bool = False) -> None:
+        if core_process:
+            from tokenmill.engine.core_process import CoreProcessClient
+            from tokenmill.tokenizer import load_tokenizer
 
-        spec = config.speculative
-        if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
-            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
-                             f"{self.max_model_len}-token context; use fewer")
-        draft = self._load_drafter(spec, phase) if spec.speculative_method == "draft" else None
+            # The tokenizer loads here while the core loads the model in its own process.
+            core = CoreProcessClient(config)
+            try:
+                tokenizer = load_tokenizer(config.model)
+                core.wait_ready()
+            except BaseException:
+                core.shutdown()
+                raise
+        else:
+            from tokenmill.engine.core import EngineCore
 
-        cache = config.cache
-        # The drafter's KV rides on the target's blocks: one pool, sized for both per block.
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
-        if draft is not None:
-            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
-        block_bytes = self.kv_bytes_per_token * cache.block_size
-        budget = parse_memory(cache.kv_cache_memory)
-        num_blocks, why = size_kv_pool(budget, free_memory_bytes(self.device) if budget[0] == "fraction" else 0,
-                                       block_bytes, cache.block_size, config.scheduler.max_num_seqs,
-                                       self.max_model_len)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {cache.kv_cache_memory!r} holds no KV block of {block_bytes} bytes; "
-                "raise --kv-cache-memory"
-            )
-        # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
-        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
-        # Where every token's attention reads only the slots its context has written (the CPU kernels'
-        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
-        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
-                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
-        proposer = None
-        if spec.speculative_method == "ngram":
-            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif draft is not None:
-            draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
-                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
-            proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
-                                                      config.seed + 1), cache.block_size,
-                                          spec.num_speculative_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
-        phase("KV pool")
-        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
-        # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
-        self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        if proposer is not None:
-            proposer.draft_cost = self._measure_draft_cost(proposer)
-            phase("speculative off rule")
-        self.output_processor = OutputProcessor(self.tokenizer)
+            core = EngineCore(config)
+            tokenizer = core.tokenizer
+        self._attach(config, core, tokenizer, core_process)
+
+    @classmethod
+    def from_core(cls, core) -> LLMEngine:  # noqa: ANN001
+        """The front end of an EngineCore built elsewhere (tests assemble one around a fake runner)."""
+        engine = cls.__new__(cls)
+        engine._attach(core.config, core, core.tokenizer, False)
+        return engine
+
+    def _attach(self, config: EngineConfig, core, tokenizer, remote: bool) -> None:  # noqa: ANN001
+        self.config, self.core, self.tokenizer, self._remote = config, core, tokenizer, remote
+        info = self.info = core.info
+        if remote:
+            self.grammars = GrammarCompiler(tokenizer, info.model_config.vocab_size)
+        else:
+            self.grammars = core.grammars
+            # the in-process core's parts, for tests, benchmarks and tools that look inside
+            self.scheduler, self.kv_cache, self.runner = core.scheduler, core.kv_cache, core.runner
+            self.device, self.dtype = getattr(core, "device", None), getattr(core, "dtype", None)
+            self.startup = getattr(core, "startup", None)
+        self.model_name, self.model_path = info.model_name, Path(info.model_path)
+        self.model_config, self.max_model_len = info.model_config, info.max_model_len
+        self.quantization, self.kv_bytes_per_token = info.quantization, info.kv_bytes_per_token
+        self.output_processor = OutputProcessor(tokenizer)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
+        self.last_step_stats: list[StepStats] = []  # the steps the last step() call took in
+        self._state = CoreState(num_free_blocks=info.num_blocks)  # a core process's, as of its last message
+        self._sequences: dict[str, Request] = {}  # this side's copy of every unfinished sequence
+        self._added_since_state = 0  # sequences sent since the last state (the waiting count's lag)
         self._ids = itertools.count()
-        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
-                    self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
-                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
 
-    def _load_drafter(self, spec, phase):
-        """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
-        and to reach its context length."""
-        source = resolve_model(spec.speculative_model)
-        draft = load_model(source, self.dtype, self.device, quantization=spec.speculative_quantization)
-        ours, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
-        if draft.config.vocab_size != self.model_config.vocab_size or ours != theirs:
-            raise ValueError(
-                f"--speculative-model {spec.speculative_model!r} has a different vocabulary from the target "
-                f"({draft.config.vocab_size} vs {self.model_config.vocab_size} ids, "
-                f"{len(set(ours.items()) ^ set(theirs.items()))} entries differ): a draft model must share the "
-                "target's tokenizer")
-        if draft.max_model_len < self.max_model_len:
-            raise ValueError(f"--speculative-model reaches {draft.max_model_len} tokens of context, the target "
-                             f"{self.max_model_len}: pass --max-model-len {draft.max_model_len} or less")
-        phase("draft model")
-        logger.info("speculative decoding: draft model %s (%s, weights %s), up to %d drafts per step",
-                    source.name, draft.config.architecture, draft.quantization, spec.num_speculative_tokens)
-        return draft
+    @property
+    def speculative(self) -> bool:
+        return self.info.speculative
 
-    @torch.inference_mode()
-    def _measure_draft_cost(self, proposer) -> DraftCostModel:
-        """The off rule's c on this machine, against the batch: a draft's share of a decode step
-        (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
-        k = proposer.k
-        sizes = sorted({min(n, self.max_model_len) for n in PROBE_SIZES})
-        table = self.kv_cache.allocate_slots("__probe__", sizes[-1])
-        if table is None:  # a pool too small to probe in: the constant
-            return proposer.draft_cost
-        try:
-            # The fastest of 3 rounds over all sizes (noise only ever slows a step down, and rounds spread
-            # it over the sizes instead of one size taking a burst); one pass for the slow large sizes.
-            def curve(runner) -> dict[int, float]:
-                runner.time_forward(1, table, 1)  # warm-up
-                best: dict[int, float] = {}
-                for r in range(3):
-                    for n in sizes:
-                        if r == 0 or n <= 64:
-                            t = runner.time_forward(n, table, 1, warm_up=False)
-                            best[n] = min(best.get(n, t), t)
-                return best
+    @property
+    def state(self) -> CoreState:
+        """The core's running and waiting counts, free KV blocks, preemptions: now for a core in this
+        process, as of its last message for one in another."""
+        return self._state if self._remote else self.core.state()
 
-            target = curve(self.runner)
-            drafter = getattr(proposer, "runner", None)
-            drafts = None if drafter is None else curve(drafter)
-        finally:
-            self.kv_cache.free("__probe__")
-        cost = DraftCostModel(target, drafts, k)
-        logger.info("speculative decoding: %d drafts cost %s decode steps at batch 1/8/32 here; each request "
-                    "drafts what its acceptance pays for", k, "/".join(f"{cost(b)(k):.2f}" for b in (1, 8, 32)))
-        return cost
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting in the core's scheduler (in another process: as of its last step, plus the
+        sequences sent since)."""
+        return self.state.num_waiting + (self._added_since_state if self._remote else 0)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.state.num_preemptions
+
+    def shutdown(self) -> None:
+        """Stop the engine core's process, if it has one."""
+        if self._remote:
+            self.core.shutdown()
+
+    def check_alive(self) -> None:
+        """Raise if the engine core has died (a process of its own can die apart from this one)."""
+        if self._remote:
+            self.core.check_alive()
+
+    def check_invariants(self, timeout: float = 10.0) -> None:
+        """Check the KV cache's invariants in the core (AssertionError if one fails). Call it with no
+        step in flight elsewhere: with the core in another process it waits for the core's answer and
+        applies the steps that come before it."""
+        if not self._remote:
+            self.kv_cache.check_invariants()
+            return
+        self.core.check_invariants()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for core_step in self.core.step():
+                self.output_processor.emit(self._apply(core_step))
+                if core_step.state.invariants_checked:
+                    assert core_step.state.invariant_error is None, core_step.state.invariant_error
+                    return
+        raise TimeoutError("the engine core did not answer the invariant check")
 
     # ---- requests --------------------------------------------------------------------
 
@@ -225,8 +144,10 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True) -> str:
-        """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit."""
+                    request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit.
+        ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it."""
         params = params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
@@ -240,8 +161,12 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
                              f"{self.max_model_len}-token context")
-        self.scheduler.check_fits(len(ids), max_tokens)
-        constraints = build_constraints(params, self.tokenizer, self.model_config.vocab_size, self.grammars)
+        info = self.info
+        check_fits(len(ids), max_tokens, self.max_model_len, info.num_blocks, info.block_size,
+                   self.config.scheduler)
+        # compiled here to reject a bad grammar before anything is queued (the core compiles its own)
+        build_constraints(params, self.tokenizer, self.model_config.vocab_size, self.grammars)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
             child_params = params
@@ -249,76 +174,103 @@ class LLMEngine:
                 # distinct but reproducible streams for the n samples
                 child_params = dataclasses.replace(params, seed=params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority,
-                                    constraints=constraints))
-        clash = [r.request_id for r in children if r.request_id in self.scheduler.requests]
-        if clash:
-            raise ValueError(f"request id {clash[0]!r} is already in use")
+            if rid in self._sequences:
+                raise ValueError(f"request id {rid!r} is already in use")
+            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority))
         for r in children:
-            self.scheduler.add_request(r)
+            r.timings.arrival = arrival
+            self.core.add(AddRequest(r.request_id, ids, r.sampling_params, max_tokens, arrival, priority))
+            self._sequences[r.request_id] = r
+        self._added_since_state += len(children)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, children)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now; its KV blocks are free when this returns."""
-        for cid in self.output_processor.child_ids(request_id):
-            self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+        """End a request now; with the core in this process its KV blocks are free when this returns."""
+        self._end(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._sequences)
+
+    def _end(self, child_ids: list[str], status: RequestStatus) -> None:
+        """End sequences on both sides: here at once, in the core with the next message."""
+        now = time.perf_counter()
+        ended = []
+        for cid in child_ids:
+            req = self._sequences.pop(cid, None)
+            if req is not None and not req.is_finished:
+                req.status, req.timings.finished = status, now
+                ended.append(cid)
+        if ended:
+            self.core.abort(AbortRequests(ended, status.value))
 
     # ---- the step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        pc = self.kv_cache.stats
-        queries, hits = pc.queries, pc.hits
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        finished = self.scheduler.update_from_output(sched, result)
-        updated = [self.scheduler.requests[r] for r in result.sampled_token_ids if r in self.scheduler.requests]
-        touched, stopped = self.output_processor.process(updated + finished, result.logprobs, result.prompt_logprobs)
-        for cid in stopped:  # a stop string matched: end it now so its blocks and finish time are set
-            self.scheduler.finish_request(cid, RequestStatus.FINISHED_STOPPED)
-        outputs = self.output_processor.emit(touched)
-        self.step_stats.append(StepStats(
-            start, time.perf_counter() - start, sched.num_prefill_tokens, sched.num_decode_tokens,
-            len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
-            self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
-            pc.queries - queries, pc.hits - hits,
-            step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
-            if self.scheduler.proposer is not None else None,
-        ))
-        return outputs
+        """One engine step (in another process: every step the core finished since the last call)."""
+        touched: dict[str, object] = {}
+        self.last_step_stats = []
+        for core_step in self.core.step() if self._remote else [self.core.step()]:
+            touched.update((g.request_id, g) for g in self._apply(core_step))
+        return self.output_processor.emit(list(touched.values()))
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+    def _apply(self, core_step: CoreStep) -> list:
+        self._state = core_step.state
+        self._added_since_state = 0
+        if core_step.stats is not None:
+            self.step_stats.append(core_step.stats)
+            self.last_step_stats.append(core_step.stats)
+        updated, logprobs, prompt_logprobs = [], {}, {}
+        for out in core_step.outputs:
+            req = self._sequences.get(out.request_id)
+            if req is None:
+                continue  # ended on this side while the core ran its step
+            _update(req, out)
+            updated.append(req)
+            if out.logprobs is not None:
+                logprobs[out.request_id] = out.logprobs
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.request_id] = out.prompt_logprobs
+            if req.is_finished:
+                del self._sequences[out.request_id]
+                if out.error:
+                    logger.error("request %s failed in the engine core: %s", out.request_id, out.error)
+        groups, stopped = self.output_processor.process(updated, logprobs, prompt_logprobs)
+        self._end(stopped, RequestStatus.FINISHED_STOPPED)  # a stop string matched: end it now
+        return groups
 
-    @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
+    # ---- outside the scheduler (the core in this process only) ---------------------------
+
+    def _local_core(self, what: str):
+        if not hasattr(self, "scheduler"):
+            raise RuntimeError(f"{what} needs the engine core in this process; build the engine without "
+                               "--engine-core-process")
+        return self.core
+
+    def score(self, token_ids: list[int]):
         """Log-probability of each token after the first given the ones before it ([len - 1] float32):
         one prefill through the paged KV cache (so KV-cache quantization counts), outside the scheduler.
         Call it only while no request runs."""
+        import torch
+
         logits = self.prompt_logits(token_ids)
         x = torch.tensor(list(token_ids)[1:])
         return torch.log_softmax(logits, -1).gather(1, x[:, None]).squeeze(1)
 
-    @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int]):
         """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
         row i follows token_ids[: i + 1]), from one prefill as in score()."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("score() runs outside the scheduler: finish or abort the running requests first")
-        ids = self.tokenize_prompt(list(token_ids))
-        if not 2 <= len(ids) <= self.max_model_len:
-            raise ValueError(f"score() needs 2 to {self.max_model_len} tokens, got {len(ids)}")
-        table = self.kv_cache.allocate_slots("__score__", len(ids))
-        if table is None:
-            raise ValueError(f"{len(ids)} tokens do not fit in the KV cache; raise --kv-cache-memory")
-        try:
-            return self.runner.prompt_logits(ids, table).float().cpu()
-        finally:
-            self.kv_cache.free("__score__")
+        return self._local_core("score()").prompt_logits(self.tokenize_prompt(list(token_ids)))
 
+
+def _update(req: Request, out: CoreOutput) -> None:
+    """Bring this side's copy of a sequence up to date with what the core reports of it."""
+    req.output_token_ids.extend(out.new_token_ids)
+    req.timings.token_times.extend(out.new_token_times)
+    if out.first_scheduled is not None and req.timings.first_scheduled is None:
+        req.timings.first_scheduled = out.first_scheduled
+    req.num_preemptions = out.num_preemptions
+    if out.status is not None:
+        req.status, req.stop_reason = RequestStatus(out.status), out.stop_reason
+        req.timings.finished = out.finished_time

@@ -65,6 +65,8 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     drain_timeout: float = 30.0
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
+    # the engine died: exit (status 1) this long after, once the failed requests got their errors
+    exit_on_engine_death: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n:
@@ -1040,6 +1042,9 @@ def _version() -> str:
 # ---- running it ------------------------------------------------------------------------------------
 
 
+ENGINE_DEATH_GRACE_S = 1.0  # --exit-on-engine-death: how long the error responses get to leave
+
+
 class Server(uvicorn.Server):
     """uvicorn.Server that drains on SIGTERM/SIGINT.
 
@@ -1053,6 +1058,20 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self._app = app
         self._drainer: threading.Thread | None = None
+        self._engine_dead_since: float | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's 0.1 s tick: also exit a while after the engine died, where the config asks for it
+        (the in-flight requests have had their errors by then; a supervisor restarts the server)."""
+        serving: OpenAIServing | None = getattr(self._app.state, "serving", None)  # None: another app
+        if serving is not None and serving.config.exit_on_engine_death and serving.engine.error is not None:
+            now = time.monotonic()
+            if self._engine_dead_since is None:
+                self._engine_dead_since = now
+                logger.error("the engine died (%r): exiting in %.1f s", serving.engine.error, ENGINE_DEATH_GRACE_S)
+            elif now - self._engine_dead_since >= ENGINE_DEATH_GRACE_S:
+                return True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
         serving: OpenAIServing = self._app.state.serving
@@ -1163,7 +1182,7 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
     return ServerConfig(served_model_names=a.served_model_name or (), api_key=api_key, max_n=a.max_n,
                         max_logprobs=a.max_logprobs, max_prompts=a.max_prompts,
                         max_request_bytes=a.max_request_bytes, drain_timeout=a.drain_timeout,
-                        tool_call_parser=a.tool_call_parser)
+                        tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death)
 
 
 def serve_args(llm_engine, a) -> int:  # noqa: ANN001
@@ -1180,13 +1199,19 @@ def serve_args(llm_engine, a) -> int:  # noqa: ANN001
 
 
 def run_from_args(a) -> int:  # noqa: ANN001
-    """``tokenmill serve``: load the model, then serve it."""
-    from tokenmill.cli import engine_kwargs
-    from tokenmill.engine.llm import LLM
+    """``tokenmill serve``: load the model (in the engine core's own process unless
+    --no-engine-core-process), then serve it."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.engine.llm_engine import LLMEngine
 
     configure_logging(a)
     kwargs = engine_kwargs(a)
     if getattr(a, "model_arg", None):
         kwargs["model"] = a.model_arg
     config_from_args(a)  # flag errors before the slow model load
-    return serve_args(LLM(**kwargs).engine, a)
+    llm_engine = LLMEngine(EngineConfig.from_kwargs(**kwargs), core_process=a.engine_core_process)
+    try:
+        return serve_args(llm_engine, a)
+    finally:
+        llm_engine.shutdown()

@@ -18,6 +18,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name clients must send (repeatable; the first is reported; default: the model's "
                         "name, e.g. smollm2-135m-instruct)")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (scheduler + model) in its own process behind ZeroMQ, as vLLM does, "
+                        "so HTTP, tokenization and streaming do not share its GIL and a crash of either side is "
+                        "contained (default on; --no-engine-core-process runs it on a thread of the server's "
+                        "process)")
+    g.add_argument("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+                   help="when the engine dies (an exception in a step, the core process killed): fail every "
+                        "in-flight request, answer /health 503, and exit with status 1 after a second, for a "
+                        "supervisor to restart (default on; --no-exit-on-engine-death keeps serving 503s)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="bound on sequences waiting for the scheduler; beyond it requests get 503 (default 256)")
     g.add_argument("--max-n", type=int, default=8, help="largest n (completions per prompt) a request may ask "

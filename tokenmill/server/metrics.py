@@ -13,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineSnapshot
-from tokenmill.engine.llm_engine import StepStats
+from tokenmill.engine.messages import StepStats
 from tokenmill.outputs import RequestOutput
 
 # vLLM's buckets
@@ -96,6 +96,8 @@ class ServerMetrics:
                                           "Number of generation tokens processed.", tb)
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                      [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+        # time the engine core spent in steps: 1 - its rate is the step loop's idle fraction
+        self.engine_busy = counter("tokenmill:engine_busy_seconds", "Seconds the engine core spent running steps.")
         # speculative decoding (zero while it is off)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -112,6 +114,7 @@ class ServerMetrics:
             self.generation_tokens.inc(num_generation_tokens)
 
     def on_step(self, stats: StepStats) -> None:
+        self.engine_busy.inc(stats.duration)
         num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)

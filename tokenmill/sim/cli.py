@@ -121,7 +121,8 @@ def build(a: argparse.Namespace):  # noqa: ANN201
 
 
 def workload(a: argparse.Namespace):  # noqa: ANN201
-    from tokenmill.bench.datasets import PromptMaker, load_tokenizer, sample_requests
+    from tokenmill.bench.datasets import PromptMaker, sample_requests
+    from tokenmill.tokenizer import load_tokenizer
     from tokenmill.bench.serve import dataset_spec
 
     spec = dataset_spec(a)

@@ -74,7 +74,7 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.sim.cost import CalibratedCost, StepShape

@@ -1,0 +1,307 @@
+"""EngineCore: the step loop's engine, schedule -> run the model -> apply, and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+_t = time.perf_counter()
+import torch  # noqa: E402 -- timed: the first startup phase
+
+TORCH_IMPORT_S = time.perf_counter() - _t
+
+from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
+from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
+from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState,  # noqa: E402
+                                       CoreStep, StepStats)
+from tokenmill.layers.kernels import cpu_kernels  # noqa: E402
+from tokenmill.models.loader import load_model  # noqa: E402
+from tokenmill.models.registry import resolve_model  # noqa: E402
+from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
+from tokenmill.request import Request, RequestStatus  # noqa: E402
+from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
+from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
+from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel  # noqa: E402
+from tokenmill.spec_decode.stats import step_acceptance  # noqa: E402
+from tokenmill.structured_output import GrammarCompiler, build_constraints  # noqa: E402
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
+
+logger = logging.getLogger("tokenmill")
+# Devices whose KV cache is not host memory, where --preemption-mode swap pays (tests add "cpu" to
+# exercise the same code on this machine).
+SWAP_DEVICES = ("cuda",)
+# The failure tests' hook: the model runner raises at this step of the engine core (1-based).
+FAULT_ENV = "TOKENMILL_FAULT_AT_STEP"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the runner at step $TOKENMILL_FAULT_AT_STEP (tests of the failure path)."""
+
+
+class StartupPhases:
+    """Times the engine's startup phases and logs each at debug level (``--log-level debug``) with the
+    process's peak resident memory so far: where a slow or large start goes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"import torch": TORCH_IMPORT_S}
+        self._t = time.perf_counter()
+        logger.debug("startup: import torch %.3f s", TORCH_IMPORT_S)
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._t
+        self._t = now
+        try:
+            import resource
+
+            peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        except ImportError:  # not on this platform
+            peak = "?"
+        logger.debug("startup: %s %.3f s (peak resident %s)", name, self.seconds[name], peak)
+
+
+class EngineCore:
+    """The scheduler, the KV cache and the model runner: requests in, one step's new tokens out.
+
+    Nothing here tokenizes or detokenizes; the front end (LLMEngine) does, in this process or in
+    the API server's (engine/core_process.py).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        phase = self.startup = StartupPhases()
+        self.device = resolve_device(config.device)
+        if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
+            raise ValueError(
+                f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
+                "the KV cache is already in host memory, so it would only copy it to itself: use 'recompute'")
+        torch.manual_seed(config.seed)
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
+        # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
+        # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
+        phase("kernels")
+        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
+                            phase=phase)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.quantization = loaded.quantization  # "auto" resolved
+
+        spec = config.speculative
+        if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
+            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
+                             f"{self.max_model_len}-token context; use fewer")
+        draft = self._load_drafter(spec, phase) if spec.speculative_method == "draft" else None
+
+        cache = config.cache
+        # The drafter's KV rides on the target's blocks: one pool, sized for both per block.
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
+        if draft is not None:
+            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
+        block_bytes = self.kv_bytes_per_token * cache.block_size
+        budget = parse_memory(cache.kv_cache_memory)
+        num_blocks, why = size_kv_pool(budget, free_memory_bytes(self.device) if budget[0] == "fraction" else 0,
+                                       block_bytes, cache.block_size, config.scheduler.max_num_seqs,
+                                       self.max_model_len)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {cache.kv_cache_memory!r} holds no KV block of {block_bytes} bytes; "
+                "raise --kv-cache-memory"
+            )
+        # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
+        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
+        # Where every token's attention reads only the slots its context has written (the CPU kernels'
+        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
+        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
+                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
+        proposer = None
+        if spec.speculative_method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif draft is not None:
+            draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
+                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
+            proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
+                                                      config.seed + 1), cache.block_size,
+                                          spec.num_speculative_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
+        phase("KV pool")
+        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
+        self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        if proposer is not None:
+            proposer.draft_cost = self._measure_draft_cost(proposer)
+            phase("speculative off rule")
+        self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
+                             str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
+                             cache.block_size, self.kv_bytes_per_token, proposer is not None, config)
+        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
+                    self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
+                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
+        self.start_loop()
+
+    def start_loop(self) -> None:
+        """The step loop's own bookkeeping (tests call it on a core assembled around a fake runner)."""
+        self._sent: dict[str, int] = {}  # request id -> output tokens already reported
+        self._busy = 0.0  # seconds spent in steps
+        self._steps = 0
+        # Fault injection for the failure tests: a step raises as a failing forward pass would.
+        fault = os.environ.get(FAULT_ENV)
+        self._fault_step = int(fault) if fault else None
+
+    def _load_drafter(self, spec, phase):
+        """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
+        and to reach its context length."""
+        source = resolve_model(spec.speculative_model)
+        draft = load_model(source, self.dtype, self.device, quantization=spec.speculative_quantization)
+        ours, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
+        if draft.config.vocab_size != self.model_config.vocab_size or ours != theirs:
+            raise ValueError(
+                f"--speculative-model {spec.speculative_model!r} has a different vocabulary from the target "
+                f"({draft.config.vocab_size} vs {self.model_config.vocab_size} ids, "
+                f"{len(set(ours.items()) ^ set(theirs.items()))} entries differ): a draft model must share the "
+                "target's tokenizer")
+        if draft.max_model_len < self.max_model_len:
+            raise ValueError(f"--speculative-model reaches {draft.max_model_len} tokens of context, the target "
+                             f"{self.max_model_len}: pass --max-model-len {draft.max_model_len} or less")
+        phase("draft model")
+        logger.info("speculative decoding: draft model %s (%s, weights %s), up to %d drafts per step",
+                    source.name, draft.config.architecture, draft.quantization, spec.num_speculative_tokens)
+        return draft
+
+    @torch.inference_mode()
+    def _measure_draft_cost(self, proposer) -> DraftCostModel:
+        """The off rule's c on this machine, against the batch: a draft's share of a decode step
+        (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
+        k = proposer.k
+        sizes = sorted({min(n, self.max_model_len) for n in PROBE_SIZES})
+        table = self.kv_cache.allocate_slots("__probe__", sizes[-1])
+        if table is None:  # a pool too small to probe in: the constant
+            return proposer.draft_cost
+        try:
+            # The fastest of 3 rounds over all sizes (noise only ever slows a step down, and rounds spread
+            # it over the sizes instead of one size taking a burst); one pass for the slow large sizes.
+            def curve(runner) -> dict[int, float]:
+                runner.time_forward(1, table, 1)  # warm-up
+                best: dict[int, float] = {}
+                for r in range(3):
+                    for n in sizes:
+                        if r == 0 or n <= 64:
+                            t = runner.time_forward(n, table, 1, warm_up=False)
+                            best[n] = min(best.get(n, t), t)
+                return best
+
+            target = curve(self.runner)
+            drafter = getattr(proposer, "runner", None)
+            drafts = None if drafter is None else curve(drafter)
+        finally:
+            self.kv_cache.free("__probe__")
+        cost = DraftCostModel(target, drafts, k)
+        logger.info("speculative decoding: %d drafts cost %s decode steps at batch 1/8/32 here; each request "
+                    "drafts what its acceptance pays for", k, "/".join(f"{cost(b)(k):.2f}" for b in (1, 8, 32)))
+        return cost
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add(self, msg: AddRequest) -> None:
+        """Queue one sequence; raises ValueError if it can never run (the front end checks first)."""
+        constraints = build_constraints(msg.params, self.tokenizer, self.model_config.vocab_size, self.grammars)
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
+                      msg.max_tokens, msg.priority, constraints=constraints)
+        req.timings.arrival = msg.arrival_time
+        self.scheduler.add_request(req)
+        self._sent[msg.request_id] = 0
+
+    def abort(self, msg: AbortRequests) -> None:
+        """End sequences now (their KV blocks are free when this returns)."""
+        status = RequestStatus(msg.status)
+        for rid in msg.request_ids:
+            self.scheduler.finish_request(rid, status)
+            self._sent.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def state(self) -> CoreState:
+        return CoreState(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.num_free_blocks,
+                         self.scheduler.num_preemptions, self._busy)
+
+    def check_invariants(self) -> str | None:
+        """What is wrong with the KV cache's bookkeeping, or None."""
+        try:
+            self.kv_cache.check_invariants()
+        except AssertionError as e:
+            return str(e) or "an invariant failed"
+        return None
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> CoreStep:
+        start = time.perf_counter()
+        self._steps += 1
+        pc = self.kv_cache.stats
+        queries, hits = pc.queries, pc.hits
+        sched = self.scheduler.schedule()
+        if self._steps == self._fault_step:  # as a forward pass failing: after blocks were handed out
+            raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
+        result = self.runner.execute(sched)
+        finished = self.scheduler.update_from_output(sched, result)
+        requests = self.scheduler.requests
+        updated = [requests[r] for r in result.sampled_token_ids if r in requests]
+        outputs = [self._output(req, result) for req in updated + finished]
+        duration = time.perf_counter() - start
+        self._busy += duration
+        stats = StepStats(
+            start, duration, sched.num_prefill_tokens, sched.num_decode_tokens,
+            len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
+            self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
+            pc.queries - queries, pc.hits - hits,
+            step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
+            if self.scheduler.proposer is not None else None,
+        )
+        return CoreStep(outputs, stats, self.state())
+
+    def _output(self, req: Request, result) -> CoreOutput:
+        rid = req.request_id
+        sent = self._sent.get(rid, 0)
+        n = len(req.output_token_ids)
+        out = CoreOutput(rid, req.output_token_ids[sent:], req.timings.token_times[sent:n],
+                         result.logprobs.get(rid), result.prompt_logprobs.get(rid), req.timings.first_scheduled,
+                         req.num_preemptions)
+        if req.is_finished:
+            out.status, out.stop_reason, out.finished_time = req.status.value, req.stop_reason, req.timings.finished
+            self._sent.pop(rid, None)
+        else:
+            self._sent[rid] = n
+        return out
+
+    # ---- outside the scheduler -------------------------------------------------------
+
+    def tokenize_ids(self, token_ids: list[int]) -> list[int]:
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        return list(token_ids)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
+        row i follows token_ids[: i + 1]), from one prefill through the paged KV cache."""
+        if self.has_unfinished():
+            raise RuntimeError("score() runs outside the scheduler: finish or abort the running requests first")
+        ids = self.tokenize_ids(list(token_ids))
+        if not 2 <= len(ids) <= self.max_model_len:
+            raise ValueError(f"score() needs 2 to {self.max_model_len} tokens, got {len(ids)}")
+        table = self.kv_cache.allocate_slots("__score__", len(ids))
+        if table is None:
+            raise ValueError(f"{len(ids)} tokens do not fit in the KV cache; raise --kv-cache-memory")
+        try:
+            return self.runner.prompt_logits(ids, table).float().cpu()
+        finally:
+            self.kv_cache.free("__score__")

@@ -1,0 +1,142 @@
+"""What the front end and the engine core say to each other.
+
+The same messages serve both layouts: in one process the front end hands them to the EngineCore
+as objects; with ``--engine-core-process`` they cross a ZeroMQ socket as msgpack (msgspec), never
+pickle. Front end -> core: AddRequest, AbortRequests, Shutdown. Core -> front end: CoreReady once
+at startup (or CoreFailed), then a CoreStep after every step (and after commands that change state
+while idle), or CoreFailed when the core dies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.stats import SpecStepStats
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, for metrics and the simulator's calibration."""
+
+    start_time: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_requests: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    num_preemptions: int  # preemptions in this step
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0  # of which found cached
+    spec: SpecStepStats | None = None  # speculative decoding, when on
+
+
+# ---- front end -> core ----------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    """One sequence (a request with n > 1 sends n of them), already validated by the front end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved
+    arrival_time: float  # time.perf_counter (CLOCK_MONOTONIC: the same clock in both processes)
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+    status: str = "abort"  # a RequestStatus value: "abort", or "stop" when the front end matched a stop string
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class CheckInvariants(msgspec.Struct, tag="check"):
+    """Ask the core to check its KV cache's invariants; the answer is the next CoreStep's state."""
+
+
+ToCore = AddRequest | AbortRequests | Shutdown | CheckInvariants
+
+
+# ---- core -> front end ----------------------------------------------------------------
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one sequence did in one step: its new tokens, and its end if it ended."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_token_times: list[float] = []
+    # per new token: (sampled token's logprob, [(token, logprob), ...top-n]), where asked
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, when the prompt is done
+    first_scheduled: float | None = None
+    num_preemptions: int = 0
+    status: str | None = None  # a finished RequestStatus value; None while it runs
+    stop_reason: int | str | None = None
+    finished_time: float | None = None
+    error: str | None = None  # the core could not run it (it finishes as "abort")
+
+
+class CoreState(msgspec.Struct, omit_defaults=True):
+    """The core as of the end of a step or command batch."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_preemptions: int = 0  # in total
+    busy_seconds: float = 0.0  # time spent in steps since the core started
+    invariant_error: str | None = None  # after CheckInvariants: what is wrong, or None
+    invariants_checked: bool = False
+
+
+class CoreStep(msgspec.Struct, tag="step", omit_defaults=True):
+    outputs: list[CoreOutput] = []
+    stats: StepStats | None = None  # None: no step ran (the state changed by commands alone)
+    state: CoreState = msgspec.field(default_factory=CoreState)
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the front end needs to know of the loaded engine."""
+
+    model_name: str
+    model_path: str
+    model_config: ModelConfig
+    max_model_len: int
+    dtype: str
+    quantization: str
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    speculative: bool = False
+    config: EngineConfig = field(default_factory=EngineConfig)
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    info: CoreInfo
+    pid: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    """The core could not start, or its loop died: why, and the traceback for the log."""
+
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+FromCore = CoreReady | CoreStep | CoreFailed
+
+to_core_encoder = msgspec.msgpack.Encoder()
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+from_core_encoder = msgspec.msgpack.Encoder()
+from_core_decoder = msgspec.msgpack.Decoder(FromCore)
