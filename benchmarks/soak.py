@@ -16,22 +16,16 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import psutil
+from serve_ab import free_port, wait_up  # (this folder: the script's own)
 
 PROMPTS = ["Tell me about the sea.", "Write a poem about autumn leaves.", "Explain how a bicycle works.",
            "List five fruits and say one thing about each.", "What is the capital of France, and why?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resident_bytes(pid: int) -> int:
@@ -135,17 +129,7 @@ def main() -> int:
                                "--disable-access-log", *a.serve_args])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                print("the server did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        wait_up(port, server, "its output above", 300)
         report = asyncio.run(soak(url, server.pid, a.duration, a.concurrency, a.sample, a.seed))
         report["server_alive"] = server.poll() is None
     finally:

@@ -26,3 +26,29 @@ def prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
         return engine.runner.model(ids, pos, engine.runner.kv_caches, meta, pos)
     finally:
         kv.free("__probe__")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc, timeout: float = 120.0) -> None:  # noqa: ANN001 -- a subprocess.Popen
+    """Wait until a server process answers /health 200; fail with its output if it exits first."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else f"exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)

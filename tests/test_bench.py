@@ -25,7 +25,7 @@ from tokenmill.bench.metrics import calculate_metrics, parse_goodput, parse_perc
 from tokenmill.bench.runner import LoadSpec, run
 from tokenmill.bench.timeline import queued_in_client, requests_in_flight, tokens_in_flight
 from tokenmill.cli import main
-from tokenmill.server.app import BackgroundServer
+from tokenmill.server.run import BackgroundServer
 
 FAST_TTFT, SLOW_TTFT, GAP = 0.15, 0.45, 0.05
 TOL = 0.03  # seconds of loopback and scheduling jitter allowed per measured time

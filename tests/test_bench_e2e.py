@@ -11,7 +11,8 @@ import pytest
 import tiny_models as tm
 from tokenmill.cli import main
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+from tokenmill.server.app import ServerConfig, build_app
+from tokenmill.server.run import BackgroundServer
 
 
 @pytest.mark.slow

@@ -221,7 +221,8 @@ def test_server_chat_answers_paris_through_the_official_client(llm_default):
     import openai
 
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.run import BackgroundServer
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ref = llm_default.chat(messages, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.models.registry import DEFAULT_MODEL
 from tokenmill.sampling_params import SamplingParams
+
+from helpers import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -86,15 +87,9 @@ def test_a_bad_model_fails_startup_with_its_own_message(tmp_path):
 # ---- real servers ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(*flags: str, env: dict | None = None):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
                              "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--uvicorn-log-level",
                              "warning", "--disable-log-requests", *flags],
@@ -102,16 +97,7 @@ def serve(*flags: str, env: dict | None = None):
                             text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(url, proc)
         yield proc, url
     finally:
         if proc.poll() is None:

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+from tokenmill.server.app import ServerConfig, build_app
+from tokenmill.server.run import BackgroundServer
 
 pytestmark = pytest.mark.slow
 

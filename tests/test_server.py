@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+from tokenmill.server.app import ServerConfig, build_app
+from tokenmill.server.run import BackgroundServer
 
 pytestmark = pytest.mark.slow
 
@@ -118,18 +119,28 @@ def test_models_health_version(http, client):
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_auth_required_on_v1_only(server):
+def test_auth_required_on_every_route_but_health(server):
+    """Route by route from the app's own table, so a route added later is covered too."""
     url = server.url
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+    routes = [(m, r.path) for r in server.app.routes for m in sorted(getattr(r, "methods", None) or ())
+              if m != "HEAD"]
+    assert ("POST", "/v1/completions") in routes and ("GET", "/metrics") in routes
+    for method, path in routes + [("GET", "/no-such-route")]:
+        path = path.replace("{", "").replace("}", "")  # any value for a path parameter
         for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                         {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}]:
             r = httpx.request(method, url + path, headers=headers, json={"prompt": "x", "max_tokens": 1})
-            assert r.status_code == 401, (path, headers)
-            assert r.json()["error"]["code"] == "invalid_api_key"
+            if path == "/health":
+                assert r.status_code == 200
+                continue
+            assert r.status_code == 401, (method, path, headers)
+            assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "authentication_error",
+                                         "param": None, "code": "invalid_api_key"}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-    for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(url + path).status_code == 200
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("/metrics", "/version", "/v1/models"):
+        assert httpx.get(url + path, headers=key).status_code == 200
 
 
 # ---- completions -----------------------------------------------------------------------------------

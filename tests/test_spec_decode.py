@@ -238,7 +238,8 @@ def test_spec_decode_counters_on_metrics(spec_llm):
     from prometheus_client.parser import text_string_to_metric_families
 
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.app import BackgroundServer, ServerConfig, build_app
+    from tokenmill.server.app import ServerConfig, build_app
+    from tokenmill.server.run import BackgroundServer
 
     ae = AsyncEngine(spec_llm.engine, max_waiting_requests=8, log_interval=None)
     srv = BackgroundServer(build_app(ae, ServerConfig())).start()

@@ -76,7 +76,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from tokenmill.server.app import run_from_args
+    from tokenmill.server.run import run_from_args
 
     return run_from_args(a)
 

@@ -41,9 +41,6 @@ class FCFSQueue:
     def promote_starved(self, now: float) -> None:
         """FCFS cannot starve a request: nothing to do."""
 
-    def victim_index(self, running: list[Request]) -> int:
-        return len(running) - 1  # most recently admitted
-
     def order_running(self, running: list[Request]) -> None:
         """Running requests keep admission order."""
 
@@ -93,9 +90,6 @@ class PriorityQueue:
             self.remove(r)
             r.promoted = True
             self.add(r)
-
-    def victim_index(self, running: list[Request]) -> int:
-        return max(range(len(running)), key=lambda i: self.key(running[i]))
 
     def order_running(self, running: list[Request]) -> None:
         # Most urgent first, so a tight token budget goes to them (stable sort keeps admission order on ties).

@@ -32,8 +32,6 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.async_engine")
 IDLE_CHECK_S = 0.25  # while idle, how often the loop looks whether an engine core process is still alive
-request_logger = logging.getLogger("tokenmill.requests")
-stats_logger = logging.getLogger("tokenmill.stats")
 
 
 class EngineDeadError(RuntimeError):
@@ -188,9 +186,11 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.log_interval = log_interval
-        self.log_requests = log_requests
         self.observers: list[EngineObserver] = list(observers)
+        if log_interval or log_requests:
+            from tokenmill.engine.stat_logger import LoggingStatLogger
+
+            self.observers.append(LoggingStatLogger(lambda: self.snapshot, engine, log_interval, log_requests))
         self.error: BaseException | None = None  # why the loop died
         self.snapshot = EngineSnapshot()
         self._commands: deque = deque()
@@ -205,15 +205,6 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._num_steps = 0
-        # periodic stats
-        self._interval_start = time.perf_counter()
-        self._interval_prompt = 0
-        self._interval_gen = 0
-        self._interval_finished = 0
-        self._interval_queries = 0  # prefix-cache lookups, in tokens
-        self._interval_hits = 0
-        self._interval_drafts = self._interval_draft_tokens = self._interval_accepted = 0  # speculative decoding
-
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> AsyncEngine:
@@ -355,8 +346,6 @@ class AsyncEngine:
                     self._update_snapshot()
                     self._wakeup.wait(IDLE_CHECK_S)
                     engine.check_alive()
-                    if not (self._interval_prompt or self._interval_gen or self._interval_finished):
-                        self._interval_start = time.perf_counter()  # stats intervals count busy time
             self._abort_all("engine shut down")
         except BaseException as e:  # noqa: BLE001 - anything that kills the loop is reported
             self._die(e)
@@ -446,53 +435,16 @@ class AsyncEngine:
                     prompt += len(out.prompt_token_ids)  # this sequence's prefill is done
                 gen += n - seen[c.index]
                 seen[c.index] = n
-        self._interval_prompt += prompt
-        self._interval_gen += gen
         for obs in self.observers:
             self._notify(obs.on_tokens, prompt, gen)
         if out.finished:
-            self._interval_finished += 1
             for obs in self.observers:
                 self._notify(obs.on_request_finished, out, now)
-            if self.log_requests:
-                _log_finished(out, now)
 
     def _after_step(self, now: float) -> None:
         for stats in self.engine.last_step_stats:
-            self._interval_queries += stats.prefix_cache_queries
-            self._interval_hits += stats.prefix_cache_hits
-            if stats.spec is not None:
-                self._interval_drafts += stats.spec.num_drafts
-                self._interval_draft_tokens += stats.spec.num_draft_tokens
-                self._interval_accepted += stats.spec.num_accepted_tokens
             for obs in self.observers:
                 self._notify(obs.on_step, stats)
-        if self.log_interval and now - self._interval_start >= self.log_interval:
-            dt = now - self._interval_start
-            s = self.snapshot
-            stats_logger.info(
-                "engine: %.1f prompt tokens/s, %.1f generation tokens/s, %d requests finished; "
-                "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
-                self._interval_prompt / dt, self._interval_gen / dt, self._interval_finished, s.num_running,
-                s.num_waiting, 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks,
-                s.num_preemptions, self._prefix_hit_rate_text() + self._spec_text())
-            self._interval_start, self._interval_prompt, self._interval_gen, self._interval_finished = now, 0, 0, 0
-            self._interval_queries = self._interval_hits = 0
-            self._interval_drafts = self._interval_draft_tokens = self._interval_accepted = 0
-
-    def _spec_text(self) -> str:
-        """vLLM's SpecDecoding log line: acceptance rate and mean accepted length (accepted + 1 per draft)."""
-        if not self.engine.speculative or not self._interval_drafts:
-            return ""
-        rate = self._interval_accepted / self._interval_draft_tokens
-        mean_len = 1 + self._interval_accepted / self._interval_drafts
-        return f"; speculative decoding: acceptance rate {100 * rate:.1f}%, mean acceptance length {mean_len:.2f}"
-
-    def _prefix_hit_rate_text(self) -> str:
-        if not self.engine.config.cache.enable_prefix_caching:
-            return ""
-        rate = self._interval_hits / self._interval_queries if self._interval_queries else 0.0
-        return f"; prefix cache hit rate {100 * rate:.1f}%"
 
     def _update_snapshot(self) -> None:
         engine = self.engine
@@ -555,21 +507,3 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 pass
         self._progress.clear()
-
-
-def _fmt(v: float | None, unit: str = "s") -> str:
-    return "-" if v is None else f"{v:.3f} {unit}"
-
-
-def _log_finished(out: RequestOutput, now: float) -> None:
-    for c, m in zip(out.outputs, out.metrics or [None] * len(out.outputs)):
-        rid = out.request_id if len(out.outputs) == 1 else f"{out.request_id}#{c.index}"
-        if m is None:
-            request_logger.info("request %s finished (%s): prompt %d tokens, output %d tokens", rid,
-                                c.finish_reason, len(out.prompt_token_ids), len(c.token_ids))
-            continue
-        e2e = (m.finished_time or now) - m.arrival_time
-        request_logger.info(
-            "request %s finished (%s): prompt %d tokens, output %d tokens, queue %s, TTFT %s, TPOT %s, e2e %s",
-            rid, c.finish_reason, len(out.prompt_token_ids), len(c.token_ids), _fmt(m.queue_time), _fmt(m.ttft),
-            _fmt(m.tpot), _fmt(e2e))

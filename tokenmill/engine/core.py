@@ -14,8 +14,7 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
-from tokenmill.engine.messages import (AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState,  # noqa: E402
-                                       CoreStep, StepStats)
+from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.layers.kernels import cpu_kernels  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.registry import resolve_model  # noqa: E402

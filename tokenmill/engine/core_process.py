@@ -28,9 +28,20 @@ import traceback
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.messages import (AbortRequests, AddRequest, CheckInvariants, CoreFailed, CoreInfo, CoreReady,
-                                       CoreStep, Shutdown, from_core_decoder, from_core_encoder, to_core_decoder,
-                                       to_core_encoder)
+from tokenmill.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CheckInvariants,
+    CoreFailed,
+    CoreInfo,
+    CoreReady,
+    CoreStep,
+    Shutdown,
+    from_core_decoder,
+    from_core_encoder,
+    to_core_decoder,
+    to_core_encoder,
+)
 
 logger = logging.getLogger("tokenmill")
 POLL_S = 0.1  # how often a waiting client looks whether the core process is still there

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP server (``tokenmill serve``).
 
-``tokenmill.server.app``: build_app / serve / BackgroundServer; ``protocol``: request schemas and
-the error object; ``metrics``: the Prometheus collectors; ``args``: the CLI flags. Importing this
-package is cheap; the FastAPI parts load with ``tokenmill.server.app``.
+``app``: build_app (routes and error handlers); ``run``: serve, the drain, BackgroundServer, ``tokenmill
+serve``; ``serving`` (checks and SamplingParams shared by the endpoints), ``completions``, ``chat``,
+``streaming``, ``logprobs``, ``responses``, ``middleware`` (API key, body limit); ``protocol``: request
+schemas and the error object; ``metrics``: the Prometheus collectors; ``args``: the CLI flags. Importing
+this package is cheap; the FastAPI parts load with ``tokenmill.server.app``.
 """

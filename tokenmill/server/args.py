@@ -13,8 +13,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes it to the network)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: the TOKENMILL_API_KEY "
-                        "environment variable; unset = no auth). /health, /metrics and /version stay open")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics included "
+                        "(a Prometheus scrape job sends it as its bearer token) (default: the TOKENMILL_API_KEY "
+                        "environment variable; unset = no auth)")
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name clients must send (repeatable; the first is reported; default: the model's "
                         "name, e.g. smollm2-135m-instruct)")

@@ -33,9 +33,12 @@ class OpenAIError(Exception):
 
 
 def _default_type(status: int) -> str:
-    # OpenAI's convention: every client error is an invalid_request_error (the code says which),
-    # every server-side one a server_error.
-    return "server_error" if status >= 500 else "invalid_request_error"
+    # OpenAI's convention: a client error is an invalid_request_error (the code says which), except a
+    # missing or wrong key (authentication_error) and something that does not exist (not_found_error);
+    # every server-side one is a server_error.
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:  # noqa: A002
@@ -131,8 +134,6 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-
-
 
 
 class FunctionDefinition(_Strict):

@@ -1,0 +1,265 @@
+"""What both endpoints share: the server's limits, the model check, request -> SamplingParams, the context
+check, queueing a request's prompts in the engine, and the engine's errors as HTTP errors."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastapi.exceptions import RequestValidationError
+
+from tokenmill.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineDrainingError,
+    QueueFullError,
+    RequestStream,
+)
+from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from tokenmill.server.logprobs import _TokenText
+from tokenmill.server.protocol import OpenAIError, bad_request
+from tokenmill.server.tools import TOOL_CALL_PARSERS
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM), avoiding logits / ~0 overflow
+
+
+@dataclass
+class ServerConfig:
+    """What the HTTP layer enforces; see ``tokenmill serve --help`` for each flag."""
+
+    served_model_names: Sequence[str] = ()  # default: the engine's model name
+    api_key: str | None = None
+    max_n: int = 8
+    max_logprobs: int = MAX_LOGPROBS
+    max_stop: int = MAX_STOP_STRINGS
+    max_prompts: int = 32  # prompts in one batched /v1/completions request
+    max_request_bytes: int = 1 << 20
+    drain_timeout: float = 30.0
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
+    # the engine died: exit (status 1) this long after, once the failed requests got their errors
+    exit_on_engine_death: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_n:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if not 0 <= self.max_stop <= MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop must be in [0, {MAX_STOP_STRINGS}], got {self.max_stop}")
+        if self.max_prompts < 1 or self.max_request_bytes < 1:
+            raise ValueError("max_prompts and max_request_bytes must be positive")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+
+
+@dataclass
+class _Prepared:
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str]
+    params: SamplingParams
+    max_tokens_param: str
+    prompt_param: str
+    streams: list[RequestStream] = field(default_factory=list)
+    structured_param: str | None = None  # the field a structured-output constraint came from
+    tool_choice: object = None  # chat: "auto" (parse calls), "required", a function name, or None
+    tool_parser: str = "hermes"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _split_prompts(prompt) -> list[str | list[int]]:  # noqa: ANN001
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)  # list[str] or list[list[int]]
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        ctx = first.get("ctx") or {}
+        pos = loc[0] if loc else "?"
+        return bad_request(f"malformed JSON body (at character {pos}): {ctx.get('error', 'decode error')}", None,
+                           "invalid_json")
+    if not loc:
+        return bad_request("a JSON request body is required" if kind == "missing" else
+                           "the request body must be a JSON object", None)
+    param = str(loc[0])
+    if param == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param = f"messages[{loc[1]}]"
+        if len(loc) > 2 and loc[2] in ("role", "content", "name"):
+            param += f".{loc[2]}"
+    same = [e for e in errors if list(e.get("loc", ()))[1:2] == [loc[0]]]
+    msgs = list(dict.fromkeys(e.get("msg", "") for e in same))[:4]
+    return bad_request(f"invalid {param!r}: {'; '.join(msgs)}", param)
+
+
+class ServingBase:
+    """State and checks shared by the endpoints."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        llm = engine.engine
+        self.model_names = list(config.served_model_names) or [llm.model_name]
+        self.model_name = self.model_names[0]
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.model_config.vocab_size
+        self.created = int(time.time())
+        self.draining = False
+        self.token_text = _TokenText(self.tokenizer)
+
+    def check_serving(self) -> None:
+        if self.engine.error is not None:
+            raise OpenAIError(500, f"the engine loop died ({self.engine.error!r}); the server cannot generate "
+                              "any more and must be restarted", None, "engine_dead")
+        if self.draining or not self.engine.accepting or not self.engine.is_running:
+            raise OpenAIError(503, "the server is shutting down and admits no new requests", None, "draining")
+
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_name
+        if model not in self.model_names:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                              f"{', '.join(repr(m) for m in self.model_names)}", "model", "model_not_found")
+        return model
+
+    def sampling_params(self, req, *, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
+                        logprobs_param: str, structured=None, prompt_logprobs: int | None = None,
+                        ) -> SamplingParams:  # noqa: ANN001
+        cfg = self.config
+        n = 1 if req.n is None else req.n
+        if n > cfg.max_n:
+            raise bad_request(f"n={n} is above this server's limit of {cfg.max_n} (--max-n)", "n")
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if logprobs is not None and logprobs > cfg.max_logprobs:
+            raise bad_request(f"{logprobs_param}={logprobs} is above this server's limit of {cfg.max_logprobs}",
+                              logprobs_param)
+        prompt_logprobs = req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+        if prompt_logprobs is not None and prompt_logprobs > cfg.max_logprobs:
+            raise bad_request(f"prompt_logprobs={prompt_logprobs} is above this server's limit of "
+                              f"{cfg.max_logprobs}", "prompt_logprobs")
+        logit_bias = None
+        if req.logit_bias is not None:
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+            bad_ids = [t for t in logit_bias if not 0 <= t < self.vocab_size]
+            if bad_ids:
+                raise bad_request(f"logit_bias token id {bad_ids[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab_size})", "logit_bias")
+        bad_ids = [t for t in req.allowed_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad_ids:
+            raise bad_request(f"allowed_token_ids: token id {bad_ids[0]} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", "allowed_token_ids")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > cfg.max_stop:
+            raise bad_request(f"{len(stop)} stop strings given; at most {cfg.max_stop} are allowed", "stop")
+        if any(not s for s in stop):
+            raise bad_request("stop strings must not be empty", "stop")
+        stop_ids = list(req.stop_token_ids or [])
+        bad_ids = [t for t in stop_ids if not 0 <= t < self.vocab_size]
+        if bad_ids:
+            raise bad_request(f"stop token id {bad_ids[0]} is outside the vocabulary [0, {self.vocab_size})",
+                              "stop_token_ids")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        if temperature < GREEDY_EPS:
+            temperature = 0.0
+        top_k = 0 if req.top_k is None else req.top_k
+        if top_k >= self.vocab_size:
+            top_k = 0  # keeps every token: the same as off
+        kwargs = dict(
+            n=n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+            min_p=req.min_p or 0.0, repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens or 0, stop=stop,
+            stop_token_ids=stop_ids, ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logprobs=logprobs, skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or (), structured_outputs=structured,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            m = re.match(r"invalid sampling parameter (\w+)[=:]", str(e))
+            name = m.group(1) if m else None
+            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
+            raise bad_request(str(e), param) from None
+
+    def check_context(self, ids: list[int], max_tokens: int | None, prompt_param: str, max_tokens_param: str) -> None:
+        n, ctx = len(ids), self.max_model_len
+        if n >= ctx:
+            raise bad_request(f"the prompt has {n} tokens but this model's context is {ctx} tokens, with at least "
+                              "one left for the completion; shorten the prompt", prompt_param,
+                              "context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > ctx:
+            raise bad_request(f"this model's maximum context length is {ctx} tokens, but {n + max_tokens} were "
+                              f"requested ({n} in the prompt, {max_tokens} for the completion); lower "
+                              f"{max_tokens_param} to at most {ctx - n}", max_tokens_param, "context_length_exceeded")
+
+    async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float) -> None:
+        """Queue every prompt (all in the same engine pause); on any failure abort what was queued and
+        raise an OpenAIError."""
+        one = len(prep.prompt_ids) == 1
+        adds = [asyncio.ensure_future(self.engine.add_request(
+            ids, prep.params, request_id if one else f"{request_id}-{i}", priority, add_special_tokens=False,
+            arrival_time=arrival)) for i, ids in enumerate(prep.prompt_ids)]
+        try:
+            results = await asyncio.gather(*adds, return_exceptions=True)
+        except BaseException:  # cancelled (client gone): the adds abort themselves when cancelled
+            for t in adds:
+                t.cancel()
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result().abort()
+            raise
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        errors = [r for r in results if not isinstance(r, RequestStream)]
+        if errors:
+            for st in streams:
+                st.abort()
+            raise self._engine_error(errors[0], prep) from errors[0]
+        prep.streams.extend(streams)
+
+    def _engine_error(self, e: BaseException, prep: _Prepared) -> BaseException:
+        if isinstance(e, QueueFullError):
+            return OpenAIError(503, str(e), None, "overloaded", headers={"Retry-After": "1"})
+        if isinstance(e, EngineDrainingError):
+            return OpenAIError(503, str(e), None, "draining")
+        if isinstance(e, EngineDeadError):
+            return OpenAIError(500, str(e), None, "engine_dead")
+        if isinstance(e, ValueError):
+            msg = str(e)
+            param = prep.max_tokens_param if re.search(r"max_tokens|KV|max_num_batched", msg) else prep.prompt_param
+            if "structured output" in msg:
+                param = prep.structured_param
+            elif msg.startswith("invalid sampling parameter"):
+                param = msg.split()[3].rstrip(":=").split("=")[0]
+            return bad_request(msg, param)
+        return e
