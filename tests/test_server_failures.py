@@ -74,9 +74,9 @@ class FakeRunner:
 
 
 def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: int = 1024, max_num_seqs: int = 64,
-                delay: float = 0.01) -> LLMEngine:
+                delay: float = 0.01, tokenizer: Tokenizer | None = None) -> LLMEngine:
     """An LLMEngine whose model is a FakeRunner; everything else is the real engine code."""
-    tok = tiny_tokenizer()
+    tok = tokenizer or tiny_tokenizer()
     core = EngineCore.__new__(EngineCore)
     core.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
     core.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
@@ -294,6 +294,67 @@ def test_a_thousand_abandoned_streams_leave_nothing_behind():
         assert_no_leak(ae, engine)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_slow_body_gets_408_and_the_server_keeps_serving():
+    """Slowloris: headers, then a body that trickles in slower than --request-body-timeout allows."""
+    import socket
+
+    with running(request_body_timeout=0.5) as (srv, ae, engine):
+        body = json.dumps({"prompt": "the cat", "max_tokens": 2}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            t0 = time.monotonic()
+            # meanwhile the server answers others
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2})
+            assert r.status_code == 200
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            assert time.monotonic() - t0 < 5
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        err = json.loads(payload)["error"]
+        assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2})
+        assert r.status_code == 200
+        assert_no_leak(ae, engine)
+
+
+def test_one_requests_template_or_tokenizer_failure_fails_it_alone():
+    """A chat template that raises on one conversation, and a tokenizer that raises on one prompt: that
+    request gets a 400 naming messages/prompt, the streams running beside it finish, the next succeeds."""
+    tiny = tiny_tokenizer()
+
+    class Fragile(Tokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            if "BOOM" in text:
+                raise RuntimeError("the tokenizer broke")
+            return super().encode(text, add_special_tokens)
+
+    template = ("{% for m in messages %}{% if m['content'] == 'explode' %}{{ raise_exception('no such thing') }}"
+                "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    tok = Fragile(tiny.hf, bos_token_id=None, eos_token_id=tiny.eos_token_id, chat_template=template)
+    with running(fake_engine(tokenizer=tok)) as (srv, ae, engine), httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=stream_body(max_tokens=20)) as beside:
+            lines = beside.iter_lines()
+            next(lines)
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "explode"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert "no such thing" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"prompt": "BOOM", "max_tokens": 2})
+            assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == "prompt", r.text
+            events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the cat"}],
+                                                 "max_tokens": 2})
+        assert r.status_code == 200
+        assert_no_leak(ae, engine)
 
 
 # ---- engine death ------------------------------------------------------------------------------

@@ -112,6 +112,8 @@ class CoreProcessClient:
         with self._lock:
             if self._closed:
                 return
+            if not self.process.is_alive():  # a send to a dead core would wait out SEND_TIMEOUT_MS
+                self.check_alive()
             try:
                 self._to_core.send(to_core_encoder.encode(msg), copy=False)
             except zmq.Again:

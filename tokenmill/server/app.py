@@ -69,7 +69,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "request_too_large"}.get(exc.status_code)
         msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and msg == "There was an error parsing the body":
             msg = "the request body could not be parsed as JSON"
@@ -117,7 +118,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, timeout=config.request_body_timeout)
     if config.api_key:
         app.add_middleware(AuthMiddleware, api_key=config.api_key)  # outermost: auth before anything else
     return app

@@ -38,6 +38,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="most prompts in one batched /v1/completions request (default 32)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body in bytes; bigger ones get 413 (default 1048576 = 1 MiB)")
+    g.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive, each part of it; a slower one gets 408 and "
+                        "its connection closed, so slow clients cannot hold the server's connections (default 30)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop admitting, give in-flight requests this many seconds to finish, "
                         "then abort them and exit (default 30)")

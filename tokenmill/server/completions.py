@@ -47,7 +47,10 @@ class CompletionsMixin:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("prompt must not be empty", "prompt")
-                ids = await asyncio.to_thread(self.tokenizer.encode, p, True)
+                try:
+                    ids = await asyncio.to_thread(self.tokenizer.encode, p, True)
+                except Exception as e:  # noqa: BLE001 - this prompt's failure is this request's alone
+                    raise bad_request(f"the prompt could not be tokenized: {type(e).__name__}: {e}", "prompt") from None
                 if not ids:
                     raise bad_request("prompt has no tokens", "prompt")
                 texts.append(p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi.exceptions import HTTPException
@@ -47,11 +48,13 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Requests with bodies over ``limit`` bytes get 413, by Content-Length or while streaming in."""
+    """Requests with bodies over ``limit`` bytes get 413, by Content-Length or while streaming in; a body
+    whose next part takes longer than ``timeout`` seconds to come (slowloris) gets 408."""
 
-    def __init__(self, app, limit: int) -> None:  # noqa: ANN001
+    def __init__(self, app, limit: int, timeout: float = 30.0) -> None:  # noqa: ANN001
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
@@ -66,11 +69,19 @@ class BodyLimitMiddleware:
                     return await _send_error(send, 413, f"request body is larger than the limit of {self.limit} "
                                              "bytes (--max-request-bytes)", "request_too_large")
         received = 0
+        body_done = False
 
         async def limited_receive():  # noqa: ANN202
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # afterwards receive() waits for the client to leave: no deadline on that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout:g} s "
+                                         "(--request-body-timeout)") from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     raise HTTPException(413, f"request body is larger than the limit of {self.limit} bytes "

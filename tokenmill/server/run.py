@@ -158,7 +158,8 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
     api_key = a.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     return ServerConfig(served_model_names=a.served_model_name or (), api_key=api_key, max_n=a.max_n,
                         max_logprobs=a.max_logprobs, max_prompts=a.max_prompts,
-                        max_request_bytes=a.max_request_bytes, drain_timeout=a.drain_timeout,
+                        max_request_bytes=a.max_request_bytes, request_body_timeout=a.request_body_timeout,
+                        drain_timeout=a.drain_timeout,
                         tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death)
 
 

@@ -37,6 +37,7 @@ class ServerConfig:
     max_stop: int = MAX_STOP_STRINGS
     max_prompts: int = 32  # prompts in one batched /v1/completions request
     max_request_bytes: int = 1 << 20
+    request_body_timeout: float = 30.0  # seconds a body may take to arrive (slowloris)
     drain_timeout: float = 30.0
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
     # the engine died: exit (status 1) this long after, once the failed requests got their errors
@@ -49,8 +50,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         if not 0 <= self.max_stop <= MAX_STOP_STRINGS:
             raise ValueError(f"max_stop must be in [0, {MAX_STOP_STRINGS}], got {self.max_stop}")
-        if self.max_prompts < 1 or self.max_request_bytes < 1:
-            raise ValueError("max_prompts and max_request_bytes must be positive")
+        if self.max_prompts < 1 or self.max_request_bytes < 1 or not self.request_body_timeout > 0:
+            raise ValueError("max_prompts, max_request_bytes and request_body_timeout must be positive")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
