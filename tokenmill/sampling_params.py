@@ -10,6 +10,15 @@ MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 64
 
 
+class InvalidParameter(ValueError):
+    """A request's parameter is invalid; ``param`` names it (the canonical name: max_tokens, prompt,
+    structured_outputs, or a SamplingParams field), for an API error's ``param`` to come from."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's StructuredOutputsParams): exactly one of a JSON schema
@@ -28,16 +37,18 @@ class StructuredOutputsParams:
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError("structured outputs need exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise InvalidParameter("structured outputs need exactly one of json, json_object, regex, choice, grammar; "
+                                   f"got {', '.join(given) or 'none'}", "structured_outputs")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
+            raise InvalidParameter("structured outputs choice must be a non-empty list of non-empty strings",
+                                   "structured_outputs")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ValueError(f"structured outputs {name} must be a non-empty string")
+                raise InvalidParameter(f"structured outputs {name} must be a non-empty string", "structured_outputs")
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured outputs json must be a JSON schema (an object or its JSON text)")
+            raise InvalidParameter("structured outputs json must be a JSON schema (an object or its JSON text)",
+                                   "structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -90,13 +101,13 @@ class SamplingParams:
             try:
                 object.__setattr__(self, "logit_bias", {int(k): v for k, v in self.logit_bias.items()})
             except (TypeError, ValueError):
-                raise ValueError(f"invalid sampling parameter logit_bias: keys must be token ids, got "
-                                 f"{list(self.logit_bias)[:3]!r}") from None
+                raise InvalidParameter(f"invalid sampling parameter logit_bias: keys must be token ids, got "
+                                       f"{list(self.logit_bias)[:3]!r}", "logit_bias") from None
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+            return InvalidParameter(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}", name)
 
         def is_num(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -18,7 +18,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+                raise InvalidParameter(f"the JSON schema is not valid JSON: {e}", "structured_outputs") from None
         if not isinstance(schema, dict):
-            raise ValueError("the JSON schema must be a JSON object")
+            raise InvalidParameter("the JSON schema must be a JSON object", "structured_outputs")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     if so.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
@@ -73,17 +73,18 @@ class GrammarCompiler:
         try:
             grammar = grammar_spec(so)
         except Exception as e:  # noqa: BLE001 -- llguidance raises its own types for schemas it cannot read
-            raise ValueError(f"invalid structured output: {e}") from None
+            raise InvalidParameter(f"invalid structured output: {e}", "structured_outputs") from None
         import llguidance
 
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)  # "" when valid
         if error:
-            raise ValueError(f"invalid structured output: {error}")
+            raise InvalidParameter(f"invalid structured output: {error}", "structured_outputs")
         m = self.matcher(grammar)
         if m.is_error():
-            raise ValueError(f"invalid structured output: {m.get_error()}")
+            raise InvalidParameter(f"invalid structured output: {m.get_error()}", "structured_outputs")
         if not m.is_accepting() and not self.first_mask_allows_any(m):
-            raise ValueError("the structured output's grammar matches no text this vocabulary can write")
+            raise InvalidParameter("the structured output's grammar matches no text this vocabulary can write",
+                                   "structured_outputs")
         return grammar
 
     def matcher(self, grammar: str):
@@ -107,8 +108,8 @@ def build_constraints(params: SamplingParams, tokenizer, vocab_size: int,
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"invalid sampling parameter {name}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise InvalidParameter(f"invalid sampling parameter {name}: token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {vocab_size})", name)
     grammar = None
     if params.structured_outputs is not None:
         grammar = compiler.compile(params.structured_outputs)

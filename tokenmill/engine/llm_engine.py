@@ -22,7 +22,7 @@ from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutput, Cor
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output import GrammarCompiler, build_constraints
 
 __all__ = ["LLMEngine", "StepStats"]
@@ -131,16 +131,17 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token")
+                raise InvalidParameter("prompt is empty: give at least one character or token", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in prompt):
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise InvalidParameter("prompt must be a string or a list of token ids", "prompt")
         if not prompt:
-            raise ValueError("prompt is empty: give at least one token id")
+            raise InvalidParameter("prompt is empty: give at least one token id", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise InvalidParameter(f"prompt token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {self.model_config.vocab_size})", "prompt")
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -150,7 +151,7 @@ class LLMEngine:
         ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it."""
         params = params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+            raise InvalidParameter(f"priority must be an integer (lower runs first), got {priority!r}", "priority")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -159,8 +160,8 @@ class LLMEngine:
         ids = self.tokenize_prompt(prompt, add_special_tokens)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
-            raise ValueError(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
-                             f"{self.max_model_len}-token context")
+            raise InvalidParameter(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
+                                   f"{self.max_model_len}-token context", "prompt")
         info = self.info
         check_fits(len(ids), max_tokens, self.max_model_len, info.num_blocks, info.block_size,
                    self.config.scheduler)

@@ -4,7 +4,6 @@ check, queueing a request's prompts in the engine, and the engine's errors as HT
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from tokenmill.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
 from tokenmill.server.logprobs import _TokenText
 from tokenmill.server.protocol import OpenAIError, bad_request
 from tokenmill.server.tools import TOOL_CALL_PARSERS
@@ -208,10 +207,8 @@ class ServingBase:
         )
         try:
             return SamplingParams(**kwargs)
-        except ValueError as e:
-            m = re.match(r"invalid sampling parameter (\w+)[=:]", str(e))
-            name = m.group(1) if m else None
-            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
+        except InvalidParameter as e:
+            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(e.param, e.param)
             raise bad_request(str(e), param) from None
 
     def check_context(self, ids: list[int], max_tokens: int | None, prompt_param: str, max_tokens_param: str) -> None:
@@ -255,12 +252,9 @@ class ServingBase:
             return OpenAIError(503, str(e), None, "draining")
         if isinstance(e, EngineDeadError):
             return OpenAIError(500, str(e), None, "engine_dead")
-        if isinstance(e, ValueError):
-            msg = str(e)
-            param = prep.max_tokens_param if re.search(r"max_tokens|KV|max_num_batched", msg) else prep.prompt_param
-            if "structured output" in msg:
-                param = prep.structured_param
-            elif msg.startswith("invalid sampling parameter"):
-                param = msg.split()[3].rstrip(":=").split("=")[0]
-            return bad_request(msg, param)
+        if isinstance(e, ValueError):  # the engine's own checks name the parameter (InvalidParameter)
+            param = getattr(e, "param", None)
+            param = {"max_tokens": prep.max_tokens_param, "prompt": prep.prompt_param,
+                     "structured_outputs": prep.structured_param}.get(param, param)
+            return bad_request(str(e), param)
         return e
