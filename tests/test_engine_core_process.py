@@ -200,6 +200,27 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_the_server_exits():
         assert proc.wait(15) == 1
 
 
+def test_restart_flag_brings_a_fresh_core_and_keeps_serving():
+    with serve("--restart-engine-core") as (proc, url):
+        core = _core_pid(proc)
+        results: list = []
+        started = threading.Event()
+        t = threading.Thread(target=_stream, args=(url, results, started))
+        t.start()
+        assert started.wait(60)
+        os.kill(core, signal.SIGKILL)
+        t.join(30)
+        _assert_failed_cleanly(results)
+        _health_503_within(url, 1.0, proc)
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "no fresh core"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert _core_pid(proc) != core and _gone(core, 1)
+
+
 def test_sigkill_of_the_server_leaves_no_orphan_core():
     with serve() as (proc, url):
         core = _core_pid(proc)

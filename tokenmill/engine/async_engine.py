@@ -486,6 +486,24 @@ class AsyncEngine:
         with self._cmd_lock:  # anything that raced in after the thread stopped is refused by add_request
             self._accepting = False
 
+    def restart(self, rebuild: Callable[[], Any]) -> None:
+        """After the loop died: ``rebuild()`` the engine (a fresh core process) and step again. Blocks
+        while it rebuilds; meanwhile the engine counts as dead (adds fail, /health 503)."""
+        if self._thread is not None:
+            self._thread.join(30)
+        rebuild()
+        self._streams.clear()
+        self._progress.clear()
+        self._num_steps = 0
+        with self._cmd_lock:
+            self._commands.clear()
+            self._stop = False
+            self._accepting = True
+            self._thread = None
+            self.error = None
+            self._dead = False
+        self.start()
+
     def _die(self, exc: BaseException) -> None:
         logger.error("the engine loop died: %r", exc, exc_info=exc)
         self.error = exc

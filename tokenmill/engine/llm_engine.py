@@ -104,6 +104,22 @@ class LLMEngine:
         if self._remote:
             self.core.shutdown()
 
+    def restart_core(self) -> None:
+        """A fresh engine core process in place of a dead one (``--restart-engine-core``), same config.
+        The dead core's requests are gone with it (their clients got their errors)."""
+        if not self._remote:
+            raise RuntimeError("only an engine core in its own process can be restarted (--engine-core-process)")
+        from tokenmill.engine.core_process import CoreProcessClient
+
+        self.core.shutdown()
+        core = CoreProcessClient(self.config)
+        try:
+            core.wait_ready()
+        except BaseException:
+            core.shutdown()
+            raise
+        self._attach(self.config, core, self.tokenizer, True)
+
     def check_alive(self) -> None:
         """Raise if the engine core has died (a process of its own can die apart from this one)."""
         if self._remote:

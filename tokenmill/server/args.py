@@ -28,6 +28,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="when the engine dies (an exception in a step, the core process killed): fail every "
                         "in-flight request, answer /health 503, and exit with status 1 after a second, for a "
                         "supervisor to restart (default on; --no-exit-on-engine-death keeps serving 503s)")
+    g.add_argument("--restart-engine-core", action="store_true",
+                   help="when the engine core process dies, fail its in-flight requests, start a fresh one and "
+                        "keep serving (/health answers 503 while it loads) instead of exiting; after 3 restarts "
+                        "within a minute the server gives up and exits. Needs --engine-core-process")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="bound on sequences waiting for the scheduler; beyond it requests get 503 (default 256)")
     g.add_argument("--max-n", type=int, default=8, help="largest n (completions per prompt) a request may ask "

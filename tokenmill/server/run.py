@@ -19,7 +19,8 @@ from tokenmill.server.serving import ServerConfig
 logger = logging.getLogger("tokenmill.server")
 
 
-ENGINE_DEATH_GRACE_S = 1.0  # --exit-on-engine-death: how long the error responses get to leave
+ENGINE_DEATH_GRACE_S = 1.0
+MAX_RESTARTS_PER_MINUTE = 3  # --restart-engine-core: more than this is a crash loop; give up  # --exit-on-engine-death: how long the error responses get to leave
 
 
 class Server(uvicorn.Server):
@@ -36,11 +37,15 @@ class Server(uvicorn.Server):
         self._app = app
         self._drainer: threading.Thread | None = None
         self._engine_dead_since: float | None = None
+        self._restarts: list[float] = []  # when the engine core was restarted (--restart-engine-core)
+        self._restarting: threading.Thread | None = None
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's 0.1 s tick: also exit a while after the engine died, where the config asks for it
         (the in-flight requests have had their errors by then; a supervisor restarts the server)."""
         serving: OpenAIServing | None = getattr(self._app.state, "serving", None)  # None: another app
+        if serving is not None and serving.engine.error is not None and self._restart(serving):
+            return await super().on_tick(counter)
         if serving is not None and serving.config.exit_on_engine_death and serving.engine.error is not None:
             now = time.monotonic()
             if self._engine_dead_since is None:
@@ -76,6 +81,33 @@ class Server(uvicorn.Server):
             while engine.is_running and engine.num_unfinished and time.monotonic() < end:
                 time.sleep(0.05)
         super().handle_exit(sig, frame)
+
+
+    def _restart(self, serving: OpenAIServing) -> bool:
+        """--restart-engine-core: start a fresh core on a thread (once per death); False when restarting is
+        off or has given up (3 restarts within a minute: a crash loop), so the exit rule applies."""
+        if not serving.config.restart_engine_core:
+            return False
+        if self._restarting is not None and self._restarting.is_alive():
+            return True
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 60]
+        if len(self._restarts) >= MAX_RESTARTS_PER_MINUTE:
+            return False
+        self._restarts.append(now)
+        logger.error("the engine died (%r): starting a fresh engine core", serving.engine.error)
+        llm_engine = serving.engine.engine
+
+        def restart() -> None:
+            try:
+                serving.engine.restart(llm_engine.restart_core)
+                logger.info("the engine core restarted")
+            except Exception:  # noqa: BLE001 - the next tick tries again, or gives up
+                logger.exception("the engine core did not restart")
+
+        self._restarting = threading.Thread(target=restart, name="tokenmill-restart", daemon=True)
+        self._restarting.start()
+        return True
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
@@ -160,7 +192,8 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
                         max_logprobs=a.max_logprobs, max_prompts=a.max_prompts,
                         max_request_bytes=a.max_request_bytes, request_body_timeout=a.request_body_timeout,
                         drain_timeout=a.drain_timeout,
-                        tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death)
+                        tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death,
+                        restart_engine_core=a.restart_engine_core)
 
 
 def serve_args(llm_engine, a) -> int:  # noqa: ANN001
@@ -188,6 +221,8 @@ def run_from_args(a) -> int:  # noqa: ANN001
     if getattr(a, "model_arg", None):
         kwargs["model"] = a.model_arg
     config_from_args(a)  # flag errors before the slow model load
+    if a.restart_engine_core and not a.engine_core_process:
+        raise ValueError("--restart-engine-core restarts an engine core process: drop --no-engine-core-process")
     llm_engine = LLMEngine(EngineConfig.from_kwargs(**kwargs), core_process=a.engine_core_process)
     try:
         return serve_args(llm_engine, a)

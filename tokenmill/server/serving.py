@@ -41,6 +41,7 @@ class ServerConfig:
     tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
     # the engine died: exit (status 1) this long after, once the failed requests got their errors
     exit_on_engine_death: bool = False
+    restart_engine_core: bool = False  # instead: start a fresh engine core process and keep serving
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n:
