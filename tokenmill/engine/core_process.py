@@ -34,6 +34,7 @@ from tokenmill.engine.messages import (
     CheckInvariants,
     CoreFailed,
     CoreInfo,
+    CoreOutput,
     CoreReady,
     CoreStep,
     Shutdown,
@@ -224,10 +225,10 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
     while True:
         # Every queued command goes in before the next step; with nothing to run, wait for one.
         changed = False
-        timeout = 0 if core.has_unfinished() else None
-        while inbox.poll(timeout if timeout is None else 0):
+        block = not core.has_unfinished()
+        while inbox.poll(None if block else 0):
             msg = to_core_decoder.decode(inbox.recv(copy=False).buffer)
-            timeout = 0
+            block = False
             if isinstance(msg, Shutdown):
                 return
             changed = True
@@ -235,7 +236,9 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
                 try:
                     core.add(msg)
                 except ValueError as e:  # the front end checks first; should it miss something, say so
-                    send(CoreStep([_rejected(msg.request_id, str(e))], None, core.state()))
+                    rejected = CoreOutput(msg.request_id, status="abort", finished_time=time.perf_counter(),
+                                          error=str(e))
+                    send(CoreStep([rejected], None, core.state()))
             elif isinstance(msg, AbortRequests):
                 core.abort(msg)
             elif isinstance(msg, CheckInvariants):
@@ -247,9 +250,3 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
             send(core.step())
         elif changed:
             send(CoreStep([], None, core.state()))
-
-
-def _rejected(request_id: str, why: str):  # noqa: ANN202
-    from tokenmill.engine.messages import CoreOutput
-
-    return CoreOutput(request_id, status="abort", finished_time=time.perf_counter(), error=why)
