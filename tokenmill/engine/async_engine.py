@@ -341,7 +341,7 @@ class AsyncEngine:
                     now = time.perf_counter()
                     self._num_steps += 1
                     self._dispatch(outputs, now)
-                    self._after_step(now)
+                    self._after_step()
                 else:
                     self._update_snapshot()
                     self._wakeup.wait(IDLE_CHECK_S)
@@ -441,7 +441,7 @@ class AsyncEngine:
             for obs in self.observers:
                 self._notify(obs.on_request_finished, out, now)
 
-    def _after_step(self, now: float) -> None:
+    def _after_step(self) -> None:
         for stats in self.engine.last_step_stats:
             for obs in self.observers:
                 self._notify(obs.on_step, stats)
