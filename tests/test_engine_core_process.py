@@ -183,18 +183,25 @@ def test_fault_in_a_step_fails_every_request_and_the_server_exits():
         assert _gone(core, 5), "the engine core outlived its server"
 
 
+def _kill_core_mid_stream(url: str, core: int) -> tuple[list, float]:
+    """SIGKILL the core while a stream runs; the stream must end cleanly with an error. Returns the
+    stream's results and when the core was killed."""
+    results: list = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(url, results, started))
+    t.start()
+    assert started.wait(60)
+    os.kill(core, signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(30)
+    _assert_failed_cleanly(results)
+    return results, t0
+
+
 def test_sigkill_of_the_core_fails_in_flight_requests_and_the_server_exits():
     with serve() as (proc, url):
         core = _core_pid(proc)
-        results: list = []
-        started = threading.Event()
-        t = threading.Thread(target=_stream, args=(url, results, started))
-        t.start()
-        assert started.wait(60)
-        os.kill(core, signal.SIGKILL)
-        t0 = time.monotonic()
-        t.join(30)
-        _assert_failed_cleanly(results)
+        results, t0 = _kill_core_mid_stream(url, core)
         assert "exited" in results[0][1][-2]["error"]["message"]
         assert time.monotonic() - t0 + _health_503_within(url, 1.0, proc) < 2.0
         assert proc.wait(15) == 1
@@ -203,14 +210,7 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_the_server_exits():
 def test_restart_flag_brings_a_fresh_core_and_keeps_serving():
     with serve("--restart-engine-core") as (proc, url):
         core = _core_pid(proc)
-        results: list = []
-        started = threading.Event()
-        t = threading.Thread(target=_stream, args=(url, results, started))
-        t.start()
-        assert started.wait(60)
-        os.kill(core, signal.SIGKILL)
-        t.join(30)
-        _assert_failed_cleanly(results)
+        _kill_core_mid_stream(url, core)
         _health_503_within(url, 1.0, proc)
         deadline = time.monotonic() + 60
         while httpx.get(url + "/health", timeout=5).status_code != 200:
