@@ -224,9 +224,12 @@ def test_restart_flag_brings_a_fresh_core_and_keeps_serving():
 def test_sigkill_of_the_server_leaves_no_orphan_core():
     with serve() as (proc, url):
         core = _core_pid(proc)
+        sockets = [c.laddr for c in psutil.Process(proc.pid).net_connections(kind="unix")
+                   if "tokenmill-core" in c.laddr]
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         assert _gone(core, 3), "the engine core outlived a SIGKILLed server"
+        assert sockets and not any(os.path.exists(s) for s in sockets), "its sockets were left behind"
 
 
 def test_no_exit_flag_keeps_answering_503():

@@ -46,8 +46,9 @@ from tokenmill.engine.messages import (
 
 logger = logging.getLogger("tokenmill")
 POLL_S = 0.1  # how often a waiting client looks whether the core process is still there
-WATCHDOG_S = 0.2
-SEND_TIMEOUT_MS = 2000  # how often the core looks whether its parent is still there
+WATCHDOG_S = 0.2  # how often the core looks whether its parent is still there
+SEND_TIMEOUT_MS = 2000  # a send to a core that takes none fails after this
+UNIX_PATH_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 
 class EngineCoreDiedError(RuntimeError):
@@ -70,9 +71,7 @@ class CoreProcessClient:
         self._to_core.setsockopt(zmq.SNDHWM, 0)
         self._to_core.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._from_core.setsockopt(zmq.RCVHWM, 0)
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._to_core.bind(in_addr)
-        self._from_core.bind(out_addr)
+        in_addr, out_addr = _bind(self._to_core, f"{self._dir}/in"), _bind(self._from_core, f"{self._dir}/out")
         self._lock = threading.Lock()  # sends may come from another thread (shutdown)
         self.info: CoreInfo | None = None
         self._closed = False
@@ -180,19 +179,30 @@ class CoreProcessClient:
             pass
 
 
+def _bind(sock: zmq.Socket, path: str) -> str:
+    """An IPC socket at ``path``; loopback TCP where the path is too long for a Unix socket (a deep $TMPDIR)."""
+    if len(path) <= UNIX_PATH_MAX:
+        sock.bind(f"ipc://{path}")
+        return f"ipc://{path}"
+    return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
 # ---- the core process ---------------------------------------------------------------
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit this process once its parent is gone (SIGKILLed, crashed): no orphan keeps the model."""
+def _watch_parent(parent_pid: int, in_addr: str) -> None:
+    """Exit this process once its parent is gone (SIGKILLed, crashed): no orphan keeps the model, and the
+    sockets' folder, which the parent had no chance to remove, goes too."""
     while os.getppid() == parent_pid:
         time.sleep(WATCHDOG_S)
+    if in_addr.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(in_addr.removeprefix("ipc://")), ignore_errors=True)
     os._exit(0)
 
 
 def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid: int, log_level: int) -> None:
     """The engine core process's main: load, then loop until Shutdown or death."""
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, in_addr), name="parent-watchdog", daemon=True).start()
     logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     logging.getLogger("tokenmill").setLevel(log_level or logging.WARNING)
     ctx = zmq.Context()
