@@ -78,6 +78,23 @@ def test_core_process_gives_the_in_process_outputs(llm_default):
     assert not remote.core.process.is_alive()
 
 
+def test_the_api_process_loads_no_torch():
+    """With the core in its own process the server's process holds the tokenizer, not the model or torch."""
+    code = ("import sys\n"
+            "from tokenmill.config import EngineConfig\n"
+            "from tokenmill.engine.llm_engine import LLMEngine\n"
+            "import tokenmill.server.run\n"
+            "if __name__ == '__main__':\n"
+            "    e = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory='64MiB'), core_process=True)\n"
+            "    e.add_request('Hi', None, 'a')\n"
+            "    while e.has_unfinished_requests():\n"
+            "        e.step()\n"
+            "    e.shutdown()\n"
+            "    assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_a_bad_model_fails_startup_with_its_own_message(tmp_path):
     bad = tmp_path / "missing.gguf"
     with pytest.raises(ValueError, match="missing.gguf"):
