@@ -60,22 +60,24 @@ async def worker(client: httpx.AsyncClient, url: str, stop: float, rng: random.R
                     counts["statuses"][str(r.status_code)] += 1
                     await r.aread()
                     continue
-                n, ok = 0, False
+                n, ok, last = 0, False, ""
                 async for line in r.aiter_lines():
                     if leave_after is not None and n >= leave_after:
                         break
                     if line.startswith("data: "):
                         n += 1
+                        last = line
                         if line == "data: [DONE]":
                             ok = True
-                        elif '"error"' in line:
+                        elif line.startswith('data: {"error"'):
                             break
                 if leave_after is not None and not ok:
                     counts["abandoned"] += 1
                 elif ok:
                     counts["ok"] += 1
-                else:
+                else:  # an error event, or a stream that ended without [DONE]: keep what it said last
                     counts["failed"] += 1
+                    counts.setdefault("failures", []).append({"events": n, "last": last[:500]})
         except httpx.HTTPError as e:
             counts["failed"] += 1
             counts.setdefault("errors", []).append(repr(e)[:200])
