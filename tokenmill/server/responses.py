@@ -35,17 +35,14 @@ def _sse(obj: Any) -> str:
 class SSEResponse(StreamingResponse):
     """Server-sent events that also watch for the client going away.
 
-
     Streams ``events`` while listening for ``http.disconnect``; whichever ends first, the other
     is cancelled and ``on_close`` runs (it aborts the requests), also when the server cancels us.
     """
-
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
-
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         async def listen() -> None:
@@ -53,13 +50,11 @@ class SSEResponse(StreamingResponse):
                 if (await receive())["type"] == "http.disconnect":
                     return
 
-
         async def stream() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
 
         listener, streamer = asyncio.ensure_future(listen()), asyncio.ensure_future(stream())
         try:

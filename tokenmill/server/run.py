@@ -82,7 +82,6 @@ class Server(uvicorn.Server):
                 time.sleep(0.05)
         super().handle_exit(sig, frame)
 
-
     def _restart(self, serving: OpenAIServing) -> bool:
         """--restart-engine-core: start a fresh core on a thread (once per death); False when restarting is
         off or has given up (3 restarts within a minute: a crash loop), so the exit rule applies."""
