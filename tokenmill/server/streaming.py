@@ -1,5 +1,6 @@
-"""Server-sent events: the response that streams them, the chunks' deltas, and the helpers that merge
-several requests' streams or collect them while watching for a client that left."""
+"""Streaming a request's outputs: each event's delta, one event per chunk, the error event after the headers
+went out, and the helpers that merge several requests' streams or collect them while watching for a client
+that left. (The SSE response itself is in responses.py.)"""
 
 from __future__ import annotations
 
