@@ -7,7 +7,10 @@ whether the scheduler is empty and every KV block free at the end.
     python benchmarks/soak.py --duration 60 --json soak.json        # what CI runs (tests/test_soak.py)
     python benchmarks/soak.py --duration 600 -- --no-engine-core-process --max-num-seqs 32
 
-Arguments after ``--`` go to `tokenmill serve`. Exit status 1 when a target is missed.
+Arguments after ``--`` go to `tokenmill serve`. Exit status 1 when a target is missed. The KV pool is
+512 MiB unless `--kv-cache-memory` is given there: its pages become resident as blocks are first written
+(the pool is not zeroed), and a small pool is all written during warm-up, so growth after it is a leak,
+not the pool filling in.
 """
 
 from __future__ import annotations
@@ -125,10 +128,13 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("serve_args", nargs="*", help="after --: flags for tokenmill serve")
     a = ap.parse_args()
+    serve_args = list(a.serve_args)
+    if not any(x.startswith("--kv-cache-memory") for x in serve_args):
+        serve_args += ["--kv-cache-memory", "512MiB"]
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
                                "--disable-log-requests", "--uvicorn-log-level", "warning",
-                               "--disable-access-log", *a.serve_args])
+                               "--disable-access-log", *serve_args])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(port, server, "its output above", 300)
