@@ -107,11 +107,12 @@ def test_a_bad_model_fails_startup_with_its_own_message(tmp_path):
 @contextlib.contextmanager
 def serve(*flags: str, env: dict | None = None):
     port = free_port()
+    # its own session: a signal to the group reaches the server and its core as a terminal's would
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
                              "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--uvicorn-log-level",
                              "warning", "--disable-log-requests", *flags],
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -236,6 +237,25 @@ def test_restart_flag_brings_a_fresh_core_and_keeps_serving():
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert _core_pid(proc) != core and _gone(core, 1)
+
+
+def test_sigterm_to_the_process_group_drains_then_stops_the_core():
+    """Ctrl-C or SIGTERM from a terminal or supervisor reach the whole group: the core must outlive it while
+    the server drains, finish the stream in flight, then go."""
+    with serve() as (proc, url):
+        core = _core_pid(proc)
+        results: list = []
+        started = threading.Event()
+        t = threading.Thread(target=_stream, args=(url, results, started))
+        t.start()
+        assert started.wait(60)
+        os.killpg(proc.pid, signal.SIGTERM)
+        t.join(60)
+        kind, events = results[0]
+        assert kind == "events" and events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0
+        assert _gone(core, 10)
 
 
 def test_sigkill_of_the_server_leaves_no_orphan_core():

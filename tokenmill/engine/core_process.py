@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -202,6 +203,10 @@ def _watch_parent(parent_pid: int, in_addr: str) -> None:
 
 def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid: int, log_level: int) -> None:
     """The engine core process's main: load, then loop until Shutdown or death."""
+    # Ctrl-C and SIGTERM reach the whole process group; the server drains on them and then stops this
+    # process with Shutdown (or its watchdog does), so the core must outlive the signal, not die mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid, in_addr), name="parent-watchdog", daemon=True).start()
     logging.basicConfig(format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     logging.getLogger("tokenmill").setLevel(log_level or logging.WARNING)
