@@ -5,6 +5,7 @@ SIGKILLed -- on real `tokenmill serve` processes with the real default model."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -93,6 +94,22 @@ def test_the_api_process_loads_no_torch():
             "    assert 'torch' not in sys.modules, 'torch was imported'\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_core_info_crosses_the_wire_with_rope_factors():
+    """Llama 3 GGUFs carry RoPE frequency factors as a tensor in the model config; CoreReady must still
+    encode (as lists) and decode to the same config."""
+    import torch
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.engine.messages import CoreInfo, CoreReady, from_core_decoder, from_core_encoder, plain_info
+
+    cfg = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 16, 256,
+                      rope_scaling={"rope_type": "freq_factors", "factors": torch.tensor([1.0, 2.0, 4.0])})
+    info = CoreInfo("m", "m.gguf", cfg, 256, "float32", "gguf", 10, 16, 1024)
+    got = from_core_decoder.decode(from_core_encoder.encode(CoreReady(plain_info(info), 1))).info
+    assert got.model_config.rope_scaling == {"rope_type": "freq_factors", "factors": [1.0, 2.0, 4.0]}
+    assert dataclasses.replace(got.model_config, rope_scaling=None) == dataclasses.replace(cfg, rope_scaling=None)
 
 
 def test_a_bad_model_fails_startup_with_its_own_message(tmp_path):

@@ -41,6 +41,7 @@ from tokenmill.engine.messages import (
     Shutdown,
     from_core_decoder,
     from_core_encoder,
+    plain_info,
     to_core_decoder,
     to_core_encoder,
 )
@@ -223,7 +224,7 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
         from tokenmill.engine.core import EngineCore
 
         core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
-        send(CoreReady(core.info, os.getpid()))
+        send(CoreReady(plain_info(core.info), os.getpid()))
         _loop(core, inbox, send)
     except BaseException as e:  # noqa: BLE001 - report whatever kills the core, then exit
         logging.getLogger("tokenmill").error("the engine core died: %r", e, exc_info=e)

@@ -9,6 +9,7 @@ while idle), or CoreFailed when the core dies.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
@@ -119,6 +120,16 @@ class CoreInfo:
     kv_bytes_per_token: int
     speculative: bool = False
     config: EngineConfig = field(default_factory=EngineConfig)
+
+
+def plain_info(info: CoreInfo) -> CoreInfo:
+    """``info`` as msgpack can carry it: tensors in the model config (Llama 3's RoPE frequency factors)
+    become lists."""
+    rope = info.model_config.rope_scaling
+    if not rope or not any(hasattr(v, "tolist") for v in rope.values()):
+        return info
+    rope = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in rope.items()}
+    return dataclasses.replace(info, model_config=dataclasses.replace(info.model_config, rope_scaling=rope))
 
 
 class CoreReady(msgspec.Struct, tag="ready"):
