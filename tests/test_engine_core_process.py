@@ -21,7 +21,7 @@ import pytest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.models.registry import DEFAULT_MODEL
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 from helpers import free_port, wait_healthy
 
@@ -35,6 +35,8 @@ def _requests() -> list[tuple[str, SamplingParams]]:
         ("The capital of France is", SamplingParams(max_tokens=24, temperature=0, logprobs=2, prompt_logprobs=1)),
         ("Count: one, two,", SamplingParams(max_tokens=40, temperature=0, stop=["six"])),
         ("Write a haiku about tea.", SamplingParams(max_tokens=20, temperature=0.8, seed=7, n=2)),
+        ("Is the sky blue? Answer:", SamplingParams(max_tokens=8, temperature=0, logit_bias={13: -5.0},
+                                                    structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
     ]
 
 
@@ -54,7 +56,7 @@ def test_core_process_gives_the_in_process_outputs(llm_default):
     try:
         assert remote.core.process.is_alive() and remote.core.process.pid != os.getpid()
         got, want = _run(remote), _run(llm_default.engine)
-        assert sorted(got) == sorted(want) == ["0", "1", "2"]
+        assert sorted(got) == sorted(want) == ["0", "1", "2", "3"]
         for rid in want:
             for g, w in zip(got[rid].outputs, want[rid].outputs, strict=True):
                 assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
@@ -64,6 +66,7 @@ def test_core_process_gives_the_in_process_outputs(llm_default):
             m = got[rid].metrics[0]
             assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert got["1"].outputs[0].finish_reason == "stop" and got["1"].outputs[0].stop_reason == "six"
+        assert got["3"].outputs[0].text in ("yes", "no")
         # an abort mid-run frees everything in the other process too
         remote.add_request("Tell me a long story.", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), "long")
         while not remote.step():
