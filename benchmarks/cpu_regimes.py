@@ -194,7 +194,7 @@ def main() -> None:
         rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, str(resolve_model(
             "smollm2-135m-instruct").path), args.threads)})
     gguf_row = next((r for r in rows if r["quantization"] in ("gguf", "auto")), rows[0])
-    print(f"\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
+    print("\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         wb = r.get("weight_bytes", gguf_row["weight_bytes"])

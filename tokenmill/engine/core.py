@@ -282,19 +282,14 @@ class EngineCore:
 
     # ---- outside the scheduler -------------------------------------------------------
 
-    def tokenize_ids(self, token_ids: list[int]) -> list[int]:
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
-        return list(token_ids)
-
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
-        row i follows token_ids[: i + 1]), from one prefill through the paged KV cache."""
+        row i follows token_ids[: i + 1]), from one prefill through the paged KV cache. The front end has
+        checked the ids against the vocabulary."""
         if self.has_unfinished():
             raise RuntimeError("score() runs outside the scheduler: finish or abort the running requests first")
-        ids = self.tokenize_ids(list(token_ids))
+        ids = list(token_ids)
         if not 2 <= len(ids) <= self.max_model_len:
             raise ValueError(f"score() needs 2 to {self.max_model_len} tokens, got {len(ids)}")
         table = self.kv_cache.allocate_slots("__score__", len(ids))
