@@ -27,8 +27,15 @@ from tokenmill.bench.timeline import queued_in_client, requests_in_flight, token
 from tokenmill.cli import main
 from tokenmill.server.run import BackgroundServer
 
-FAST_TTFT, SLOW_TTFT, GAP = 0.15, 0.45, 0.05
-TOL = 0.03  # seconds of loopback and scheduling jitter allowed per measured time
+FAST_TTFT, SLOW_TTFT, GAP = 0.15, 0.6, 0.05
+TOL = 0.03  # seconds of loopback jitter allowed around a typical measured time
+# A stalled event loop on a loaded CI machine can only make a time late, never early: one time in a run may be this
+# much late, the medians must still be within TOL.
+LATE = 0.25
+
+
+def as_scripted(measured: float, scripted: float) -> bool:
+    return scripted - TOL <= measured <= scripted + LATE
 
 
 # ---------------------------------------------------------------- metrics on exact, synthetic results
@@ -202,23 +209,27 @@ def test_measured_timings_equal_the_script(fake_server, endpoint):
     n_tokens = 5
     reqs = [SampleRequest(f"prompt {i}", 3, n_tokens) for i in range(6)]
     api = ApiConfig(srv.url, "fake", endpoint=endpoint)
-    got = run(api, reqs, LoadSpec(max_concurrency=1), progress=False, slos={"ttft": 300.0})
+    got = run(api, reqs, LoadSpec(max_concurrency=1), progress=False, slos={"ttft": 450.0})
     m = got.metrics
     assert (m["completed"], m["failed"]) == (6, 0)
     ttfts = [r.ttft_s for r in got.results]
     # With one request at a time, arrival order is index order: odd requests are the slow ones.
     for r in got.results:
-        assert r.ttft_s == pytest.approx(SLOW_TTFT if r.index % 2 else FAST_TTFT, abs=TOL)
+        assert as_scripted(r.ttft_s, SLOW_TTFT if r.index % 2 else FAST_TTFT), (r.index, r.ttft_s)
         assert len(r.itl_s) == n_tokens - 1  # the empty first and finish chunks are not tokens
-        assert all(g == pytest.approx(GAP, abs=TOL) for g in r.itl_s)
+        assert all(as_scripted(g, GAP) for g in r.itl_s), r.itl_s
         assert r.completion_tokens == 2 * n_tokens and r.prompt_tokens == 11
         assert r.generated_text == "".join(f" t{i}" for i in range(n_tokens))
-        # TPOT from usage's token count: (e2el - ttft) spread over 2n - 1 tokens
-        assert tpot_s(r) == pytest.approx(GAP * (n_tokens - 1) / (2 * n_tokens - 1), abs=TOL / 4)
+    fast = [r.ttft_s for r in got.results if r.index % 2 == 0]
+    slow = [r.ttft_s for r in got.results if r.index % 2]
+    assert np.median(fast) == pytest.approx(FAST_TTFT, abs=TOL) and np.median(slow) == pytest.approx(SLOW_TTFT, abs=TOL)
+    # TPOT from usage's token count: (e2el - ttft) spread over 2n - 1 tokens
+    assert np.median([tpot_s(r) for r in got.results]) == pytest.approx(
+        GAP * (n_tokens - 1) / (2 * n_tokens - 1), abs=TOL / 4)
     assert m["mean_ttft_ms"] == pytest.approx(1000 * np.mean(ttfts))
     assert m["median_itl_ms"] == pytest.approx(GAP * 1000, abs=TOL * 1000)
     assert m["total_output_tokens"] == 6 * 2 * n_tokens
-    # goodput: the three fast requests meet ttft <= 300 ms
+    # goodput: the three fast requests meet ttft <= 450 ms, the slow ones (600 ms) do not
     assert m["request_goodput"] * m["duration"] == pytest.approx(3)
     # run time is about the sum of the requests' times (they ran one at a time)
     assert m["duration"] == pytest.approx(sum(r.e2el_s for r in got.results), abs=0.2)
