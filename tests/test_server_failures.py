@@ -27,6 +27,7 @@ import pytest
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.core.step_planner import SLOPlanner
 from tokenmill.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.llm_engine import LLMEngine
@@ -74,15 +75,20 @@ class FakeRunner:
 
 
 def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: int = 1024, max_num_seqs: int = 64,
-                delay: float = 0.01, tokenizer: Tokenizer | None = None) -> LLMEngine:
-    """An LLMEngine whose model is a FakeRunner; everything else is the real engine code."""
+                delay: float = 0.01, tokenizer: Tokenizer | None = None, scheduler: SchedulerConfig | None = None,
+                cost=None) -> LLMEngine:  # noqa: ANN001
+    """An LLMEngine whose model is a FakeRunner; everything else is the real engine code. With a
+    ``scheduler`` config that sets latency targets, ``cost`` (StepShape -> seconds) is its planner's model."""
     tok = tokenizer or tiny_tokenizer()
     core = EngineCore.__new__(EngineCore)
-    core.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
+    core.config = EngineConfig(scheduler=scheduler or SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                                      max_num_batched_tokens=4096))
     core.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
     core.tokenizer = tok
     core.kv_cache = KVCacheManager(num_blocks, block_size)
     core.scheduler = Scheduler(core.config.scheduler, core.kv_cache, max_model_len)
+    if core.config.scheduler.plans_steps:
+        core.scheduler.planner = SLOPlanner(core.config.scheduler, cost)
     core.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
     core.grammars = GrammarCompiler(tok, tok.vocab_size)
     core.info = CoreInfo("fake", "fake", core.model_config, max_model_len, "float32", "none", num_blocks, block_size,

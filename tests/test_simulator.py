@@ -11,7 +11,8 @@ import pytest
 
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import ModelConfig, SchedulerConfig
-from tokenmill.sim.cost import CalibratedCost, RooflineCost, StepShape, layer_params
+from tokenmill.core.step_cost import CalibratedCost, StepShape
+from tokenmill.sim.cost import RooflineCost, layer_params
 from tokenmill.sim.hardware import KNOWN, load_hardware
 from tokenmill.sim.simulator import Simulator
 

@@ -9,6 +9,8 @@ import sys
 
 from tokenmill.engine.arg_utils import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
+SERVE_ITL_TARGET_MS = 100.0
+
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "vLLM metric names), /version. Binds 127.0.0.1 unless --host says otherwise.")
     add_server_args(s)
     add_engine_args(s)
-    s.set_defaults(func=cmd_serve)
+    # a server plans steps to an inter-token latency; offline commands keep the throughput budget
+    s.set_defaults(func=cmd_serve, itl_target_ms=SERVE_ITL_TARGET_MS)
 
     b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
     bsub = b.add_subparsers(dest="bench_command", required=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
+SLO_POLICIES = ("shed", "queue")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # --quantization (layers/quant.py)
 # "auto" (the default) resolves to one of them when the model loads (models/loader.py: resolve_quantization)
 QUANTIZATION_CHOICES = ("auto",) + QUANTIZATIONS
@@ -63,6 +64,7 @@ class CacheConfig:
 
 CHUNKED_BUDGET = 256
 UNCHUNKED_BUDGET = 8192
+ADAPTIVE_BUDGET_CAP = 2048  # vLLM's GPU default; on a CPU the latency target keeps steps far below it
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,34 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # "recompute" | "swap" (GPU only)
     # priority policy: a request waiting longer than this (seconds) is promoted ahead of all others
     starvation_timeout: float | None = 30.0
+    # Latency targets (core/step_planner.py). itl_target_ms: each step's token budget is the decodes plus
+    # the largest prefill chunk whose predicted step time meets it (serve's default 100 ms; None: the
+    # fixed budget). slo_tpot_ms: the same target, and the running batch held to the size that meets it.
+    # slo_ttft_ms: a request whose predicted TTFT misses it is shed (503) or, under slo_policy "queue",
+    # kept waiting and counted.
+    itl_target_ms: float | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_policy: str = "shed"
+
+    @property
+    def plans_steps(self) -> bool:
+        """Whether steps are planned on a cost model (a latency target is set)."""
+        return bool(self.itl_target_ms or self.slo_tpot_ms or self.slo_ttft_ms)
 
     def __post_init__(self) -> None:
+        for name in ("itl_target_ms", "slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{name} must be positive milliseconds or None, got {v!r}")
+        if self.slo_policy not in SLO_POLICIES:
+            raise ValueError(f"slo_policy must be one of {', '.join(SLO_POLICIES)}, got {self.slo_policy!r}")
         if self.max_num_batched_tokens is None:
-            default = CHUNKED_BUDGET if self.enable_chunked_prefill else UNCHUNKED_BUDGET
+            if self.enable_chunked_prefill:
+                # with a target the budget adapts under this cap; without one it is the budget
+                default = ADAPTIVE_BUDGET_CAP if self.plans_steps else CHUNKED_BUDGET
+            else:
+                default = UNCHUNKED_BUDGET
             object.__setattr__(self, "max_num_batched_tokens", default)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
@@ -151,6 +177,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # The step-cost model latency targets plan with: a `tokenmill profile` file; None: measured at startup
+    step_cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -57,6 +57,7 @@ class Request:
     timings: RequestTimings = field(default_factory=RequestTimings)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     constraints: object = None  # structured_output.RequestConstraints, compiled at add_request
+    slo_tpot_ms: float | None = None  # its own time-per-output-token SLO (the SLO planner meets the tightest)
 
     def __post_init__(self) -> None:
         if not self.timings.arrival:

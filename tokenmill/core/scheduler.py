@@ -2,12 +2,14 @@
 
 Prefill and decode are one thing here: a request has ``num_tokens`` ids of which
 ``num_computed_tokens`` have KV; each step hands out the difference under one token
-budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
-requests go first, so decodes are never starved by arriving prompts; what budget is
-left admits waiting requests in the policy's order (``core/request_queue.py``: fcfs or
-priority). With chunked prefill a prompt larger than the budget left is split across
-steps; its first token is sampled only once the whole prompt is computed. With prefix
-caching an admitted request starts at the end of its longest cached prefix.
+budget and a cap on running requests, both the planner's (``core/step_planner.py``: the
+configured ``max_num_batched_tokens`` and ``max_num_seqs``, or planned to a latency target
+on a step-cost model). Running requests go first, so decodes are never starved by
+arriving prompts; what budget is left admits waiting requests in the policy's order
+(``core/request_queue.py``: fcfs or priority). With chunked prefill a prompt larger than
+the budget left is split across steps; its first token is sampled only once the whole
+prompt is computed. With prefix caching an admitted request starts at the end of its
+longest cached prefix.
 
 When the KV pool is full, the running request the policy ranks last (fcfs: the most
 recently admitted) is preempted. By recompute (default): its blocks are freed, its tokens
@@ -28,6 +30,7 @@ from typing import Any
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.request_queue import make_queue
+from tokenmill.core.step_planner import FixedPlanner
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.spec_decode.policy import update_acceptance, worthwhile_drafts
@@ -129,6 +132,9 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.policy, config.starvation_timeout)
+        # the step's token budget and the running cap (core/step_planner.py); the engine installs an
+        # SLOPlanner when a latency target is set
+        self.planner = FixedPlanner(config)
         self.running: list[Request] = []  # in preemption order: the last one is the first victim
         self.requests: dict[str, Request] = {}
         self._known_to_runner: set[str] = set()
@@ -182,16 +188,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
         now = self.clock()
         self.waiting.promote_starved(now)
         self.waiting.order_running(self.running)
+        budget = self.planner.token_budget(self)
+        max_running = self.planner.max_running(self)
 
         # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
         # drafting request reserves slots for its drafts now; they are proposed once all are known.
         drafting: list[tuple[Request, int]] = []
         # the batch drafts are priced at: the running requests and those about to join them
-        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        batch = min(len(self.running) + len(self.waiting), max_running)
         draft_cost = self.proposer.draft_cost(batch) if self.proposer is not None else None
         i = 0
         while i < len(self.running) and budget > 0:
@@ -221,7 +228,7 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
         while self.waiting and not out.preempted_request_ids and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= max_running:
                 break
             req = self.waiting[0]
             swapped = req.request_id in self.swapped

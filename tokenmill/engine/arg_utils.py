@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step, prefill and decode together (default 256 with chunked "
-                        "prefill, 8192 without; raise it on a GPU)")
+                        "prefill, 8192 without; raise it on a GPU); with a latency target (--itl-target-ms, "
+                        "--slo-tpot-ms) the budget adapts to it under this cap (default 2048)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps under the token budget, running decodes first "
                         "(default on; --no-enable-chunked-prefill runs each prompt whole)")
@@ -68,6 +69,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per request and step (default 3)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match (default 4)")
+    g = p.add_argument_group("latency targets and SLOs")
+    g.add_argument("--itl-target-ms", type=float, default=None,
+                   help="inter-token latency each step is planned to meet: a step takes the running decodes plus "
+                        "the largest prefill chunk whose predicted time fits (Sarathi-Serve's rule), so long "
+                        "prompts never stall the decodes past it (serve: default 100; other commands: off, the "
+                        "fixed --max-num-batched-tokens; 0 turns it off)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token SLO: a request whose predicted TTFT misses it is answered at once "
+                        "with 503 and Retry-After (--slo-policy shed), never admitted to make everyone late; a "
+                        "request's own slo_ttft_ms field overrides it")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time-per-output-token SLO: steps are planned to meet it (instead of --itl-target-ms) and "
+                        "the running batch is held at the size whose predicted step meets it; a request's own "
+                        "slo_tpot_ms field can tighten it while it runs")
+    g.add_argument("--slo-policy", default="shed", choices=["shed", "queue"],
+                   help="a request that cannot meet its TTFT SLO: shed (default: 503 + Retry-After within "
+                        "milliseconds) or queue (admit it anyway, counted in tokenmill:slo_predicted_misses_total)")
+    g.add_argument("--step-cost-profile", default=None, metavar="FILE.json",
+                   help="the step-cost model the targets plan with, from `tokenmill profile` (default: a second "
+                        "of steps timed at startup)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +125,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed,
                 speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                 prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
-                speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization)
+                speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization,
+                itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+                slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile)
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenmill.engine.messages import StepStats
+from tokenmill.core.step_planner import Forecast, SLOAdmission
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -46,6 +47,14 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (max_waiting_requests)."""
 
 
+class SLOShedError(RuntimeError):
+    """The request's predicted time to first token misses its SLO: come back after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """Engine state as of the last step or command batch (written by the engine thread only)."""
@@ -59,10 +68,15 @@ class EngineSnapshot:
     num_steps: int = 0
     num_open_streams: int = 0
     busy_seconds: float = 0.0  # the engine core's time in steps since it started
+    forecast: Forecast | None = None  # with a latency target: the load TTFT is predicted from
+    time: float = 0.0  # time.perf_counter when taken
 
 
 class EngineObserver(Protocol):
-    """Receives what the engine thread sees; called on the engine thread, so keep it quick."""
+    """Receives what the engine thread sees; called on the engine thread, so keep it quick. An observer
+    may also have ``on_admission(outcome)``: a request refused at admission ("ttft_slo", "queue_full")
+    or admitted under --slo-policy queue although predicted late ("predicted_miss"); SLO decisions are
+    told on the caller's thread."""
 
     def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
 
@@ -158,6 +172,8 @@ class _Add:
     arrival_time: float | None
     stream: RequestStream
     future: concurrent.futures.Future
+    slo_tpot_ms: float | None = None
+    admitted: list | None = None  # its entry in AsyncEngine._admitted, where SLO admission counted it
 
 
 @dataclass
@@ -193,6 +209,14 @@ class AsyncEngine:
             self.observers.append(LoggingStatLogger(lambda: self.snapshot, engine, log_interval, log_requests))
         self.error: BaseException | None = None  # why the loop died
         self.snapshot = EngineSnapshot()
+        # SLO admission (core/step_planner.py), decided here on the caller's thread from the last step's
+        # forecast, so a shed request hears within milliseconds, not after the step in flight
+        sched = getattr(getattr(engine, "config", None), "scheduler", None)
+        self.admission = (SLOAdmission(sched.slo_ttft_ms, sched.slo_policy, fcfs=sched.policy == "fcfs")
+                          if sched is not None and sched.plans_steps else None)
+        # [the engine's num_sent once applied (None before), sequences, prompt tokens] per admission the
+        # snapshot's forecast does not include yet (the core's num_added has not reached it)
+        self._admitted: list[list] = []
         self._commands: deque = deque()
         # guards _commands with _dead / _accepting / _stop; reentrant because RequestStream.__del__
         # (run by the garbage collector at any allocation) may call abort() while it is held
@@ -259,16 +283,23 @@ class AsyncEngine:
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           priority: int = 0, add_special_tokens: bool = True,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, slo_ttft_ms: float | None = None,
+                          slo_tpot_ms: float | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
-        Raises ValueError (invalid or can never fit), QueueFullError, EngineDrainingError or
-        EngineDeadError. ``arrival_time`` (time.perf_counter) is when the request really arrived,
-        e.g. when its HTTP request was received; the latency metrics count from it.
+        Raises ValueError (invalid or can never fit), QueueFullError, SLOShedError, EngineDrainingError
+        or EngineDeadError. ``arrival_time`` (time.perf_counter) is when the request really arrived,
+        e.g. when its HTTP request was received; the latency metrics count from it. ``slo_ttft_ms`` and
+        ``slo_tpot_ms`` are the request's own SLOs, over the engine's.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         future: concurrent.futures.Future = concurrent.futures.Future()
+        admission = self.admission
+        num_tokens = 0
+        if admission is not None and (admission.ttft_s or slo_ttft_ms):
+            ids = prompt if isinstance(prompt, list) else self.engine.tokenize_prompt(prompt, add_special_tokens)
+            num_tokens = len(ids)
         with self._cmd_lock:
             if self._dead:
                 stream.finished = True
@@ -276,8 +307,9 @@ class AsyncEngine:
             if not self._accepting or self._stop:
                 stream.finished = True
                 raise EngineDrainingError("the server is shutting down and admits no new requests")
+            admitted = self._admit(num_tokens, params, priority, slo_ttft_ms, stream) if num_tokens else None
             self._commands.append(_Add(prompt, params, request_id, priority, add_special_tokens,
-                                       arrival_time, stream, future))
+                                       arrival_time, stream, future, slo_tpot_ms, admitted))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(future)
@@ -289,6 +321,43 @@ class AsyncEngine:
             stream.finished = True
             raise
         return stream
+
+    def _admit(self, num_tokens: int, params: SamplingParams, priority: int, slo_ttft_ms: float | None,
+               stream: RequestStream) -> list:
+        """Raise SLOShedError if the request's predicted TTFT misses its SLO under --slo-policy shed; else
+        return its entry among the admissions the forecast does not include yet."""
+        snap = self.snapshot
+        n = params.n if isinstance(params, SamplingParams) else 1
+        pending_seqs = sum(e[1] for e in self._admitted)
+        pending_tokens = sum(e[2] for e in self._admitted)
+        verdict = self.admission.check(snap.forecast, num_tokens, priority, slo_ttft_ms,
+                                       time.perf_counter() - snap.time, pending_seqs, pending_tokens)
+        if not verdict.admit:
+            stream.finished = True
+            self._tell_admission("ttft_slo")
+            target = slo_ttft_ms or 1e3 * self.admission.ttft_s
+            raise SLOShedError(
+                f"the server is at capacity for its latency targets: this request's first token is predicted "
+                f"in {verdict.predicted_ttft_s:.1f} s, past its {target:g} ms TTFT SLO; retry after "
+                f"{verdict.retry_after_s} s", verdict.retry_after_s)
+        if not verdict.meets:
+            self._tell_admission("predicted_miss")
+        logger.debug("request %s admitted: predicted TTFT %.3f s", stream.request_id, verdict.predicted_ttft_s)
+        entry = [None, n, n * num_tokens]
+        self._admitted.append(entry)
+        return entry
+
+    def _forget_admission(self, entry: list | None) -> None:
+        if entry is not None:
+            with self._cmd_lock:
+                if entry in self._admitted:
+                    self._admitted.remove(entry)
+
+    def _tell_admission(self, outcome: str) -> None:
+        for obs in self.observers:
+            fn = getattr(obs, "on_admission", None)
+            if fn is not None:
+                self._notify(fn, outcome)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -375,21 +444,27 @@ class AsyncEngine:
 
     def _apply_add(self, cmd: _Add) -> None:
         if not cmd.future.set_running_or_notify_cancel():
+            self._forget_admission(cmd.admitted)
             return
         engine = self.engine
         try:
             limit = self.max_waiting_requests
             n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
             if limit is not None and engine.num_waiting + n > limit:
+                self._tell_admission("queue_full")
                 raise QueueFullError(
                     f"the server is overloaded: {engine.num_waiting} sequences are waiting and the "
                     f"limit is {limit} (--max-waiting-requests); retry later")
             # The command waited for the step in flight; latencies count from the real arrival.
+            slo = {"slo_tpot_ms": cmd.slo_tpot_ms} if cmd.slo_tpot_ms else {}
             rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
-                                     arrival_time=cmd.arrival_time)
+                                     arrival_time=cmd.arrival_time, **slo)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too
+            self._forget_admission(cmd.admitted)
             cmd.future.set_exception(e)
             return
+        if cmd.admitted is not None:
+            cmd.admitted[0] = getattr(engine, "num_sent", 0)
         self._streams[rid] = cmd.stream
         self._progress[rid] = [0] * (cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
         cmd.future.set_result(rid)
@@ -450,10 +525,14 @@ class AsyncEngine:
         engine = self.engine
         try:
             state, num_blocks = engine.state, engine.info.num_blocks
-            self.snapshot = EngineSnapshot(
-                state.num_running, state.num_waiting, 1.0 - state.num_free_blocks / num_blocks,
-                state.num_free_blocks, num_blocks, state.num_preemptions, self._num_steps, len(self._streams),
-                state.busy_seconds)
+            forecast = getattr(state, "forecast", None)
+            added = getattr(state, "num_added", 0)
+            with self._cmd_lock:  # admissions the core has added are in this forecast; the rest are pending
+                self.snapshot = EngineSnapshot(
+                    state.num_running, state.num_waiting, 1.0 - state.num_free_blocks / num_blocks,
+                    state.num_free_blocks, num_blocks, state.num_preemptions, self._num_steps, len(self._streams),
+                    state.busy_seconds, forecast, time.perf_counter())
+                self._admitted = [e for e in self._admitted if e[0] is None or e[0] > added]
         except Exception:  # noqa: BLE001 - a broken engine must not break reporting
             logger.exception("could not read engine state")
 
@@ -497,6 +576,7 @@ class AsyncEngine:
         self._num_steps = 0
         with self._cmd_lock:
             self._commands.clear()
+            self._admitted.clear()  # a fresh core counts its adds from 0
             self._stop = False
             self._accepting = True
             self._thread = None

@@ -14,6 +14,8 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
+from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.layers.kernels import cpu_kernels  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
@@ -137,6 +139,9 @@ class EngineCore:
         if proposer is not None:
             proposer.draft_cost = self._measure_draft_cost(proposer)
             phase("speculative off rule")
+        if config.scheduler.plans_steps:
+            self.scheduler.planner = SLOPlanner(config.scheduler, self._step_cost(config))
+            phase("step cost")
         self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
                              str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
                              cache.block_size, self.kv_bytes_per_token, proposer is not None, config)
@@ -150,9 +155,32 @@ class EngineCore:
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._busy = 0.0  # seconds spent in steps
         self._steps = 0
+        self._num_added = 0  # sequences added since start (the front end matches its admissions to it)
         # Fault injection for the failure tests: a step raises as a failing forward pass would.
         fault = os.environ.get(FAULT_ENV)
         self._fault_step = int(fault) if fault else None
+
+    def _step_cost(self, config: EngineConfig) -> CalibratedCost:
+        """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
+        steps timed on this machine (about a second for the embedded model)."""
+        if config.step_cost_profile:
+            cost = CalibratedCost.load(config.step_cost_profile)
+            made_for = cost.meta.get("model")
+            if made_for and made_for != self.model_name:
+                logger.warning("--step-cost-profile %s was measured on %s, not %s: plans will be off until the "
+                               "observed step times correct them", config.step_cost_profile, made_for,
+                               self.model_name)
+            return cost
+        from tokenmill.sim.profile import STARTUP_GRID, calibrate
+
+        t = time.perf_counter()
+        cost, n = calibrate(self, STARTUP_GRID, repeats=1)
+        s = config.scheduler
+        logger.info("step cost: %d steps timed in %.1f s; a decode step predicted %.1f ms at batch 1, %.1f ms at "
+                    "32; a 256-token chunk %.1f ms (planning to %s ms per step)", n, time.perf_counter() - t,
+                    1e3 * cost(StepShape.planned(1, 256, 0, 0)), 1e3 * cost(StepShape.planned(32, 32 * 256, 0, 0)),
+                    1e3 * cost(StepShape.planned(0, 0, 256, 0)), s.slo_tpot_ms or s.itl_target_ms)
+        return cost
 
     def _load_drafter(self, spec, phase):
         """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
@@ -210,9 +238,10 @@ class EngineCore:
 
     def add(self, msg: AddRequest) -> None:
         """Queue one sequence; raises ValueError if it can never run (the front end checks first)."""
+        self._num_added += 1
         constraints = build_constraints(msg.params, self.tokenizer, self.model_config.vocab_size, self.grammars)
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
-                      msg.max_tokens, msg.priority, constraints=constraints)
+                      msg.max_tokens, msg.priority, constraints=constraints, slo_tpot_ms=msg.slo_tpot_ms)
         req.timings.arrival = msg.arrival_time
         self.scheduler.add_request(req)
         self._sent[msg.request_id] = 0
@@ -229,7 +258,8 @@ class EngineCore:
 
     def state(self) -> CoreState:
         return CoreState(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.num_free_blocks,
-                         self.scheduler.num_preemptions, self._busy)
+                         self.scheduler.num_preemptions, self._busy, num_added=self._num_added,
+                         forecast=self.scheduler.planner.forecast(self.scheduler))
 
     def check_invariants(self) -> str | None:
         """What is wrong with the KV cache's bookkeeping, or None."""
@@ -247,6 +277,9 @@ class EngineCore:
         pc = self.kv_cache.stats
         queries, hits = pc.queries, pc.hits
         sched = self.scheduler.schedule()
+        planner = self.scheduler.planner
+        shape = StepShape.of(sched) if planner.predicts and sched.scheduled else None
+        predicted = planner.predict(shape) if shape is not None else None
         if self._steps == self._fault_step:  # as a forward pass failing: after blocks were handed out
             raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
         result = self.runner.execute(sched)
@@ -256,6 +289,8 @@ class EngineCore:
         outputs = [self._output(req, result) for req in updated + finished]
         duration = time.perf_counter() - start
         self._busy += duration
+        if shape is not None:
+            planner.observe(shape, duration)
         stats = StepStats(
             start, duration, sched.num_prefill_tokens, sched.num_decode_tokens,
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
@@ -263,6 +298,8 @@ class EngineCore:
             pc.queries - queries, pc.hits - hits,
             step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
             if self.scheduler.proposer is not None else None,
+            predicted, getattr(planner, "last_budget", None), getattr(planner, "last_batch_target", None),
+            planner.tracker.ratio if shape is not None else None,
         )
         return CoreStep(outputs, stats, self.state())
 

@@ -16,6 +16,7 @@ orphan holding the model's memory).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -37,6 +38,7 @@ from tokenmill.engine.messages import (
     CoreInfo,
     CoreOutput,
     CoreReady,
+    CoreState,
     CoreStep,
     Shutdown,
     from_core_decoder,
@@ -76,6 +78,7 @@ class CoreProcessClient:
         in_addr, out_addr = _bind(self._to_core, f"{self._dir}/in"), _bind(self._from_core, f"{self._dir}/out")
         self._lock = threading.Lock()  # sends may come from another thread (shutdown)
         self.info: CoreInfo | None = None
+        self.ready_state: CoreState | None = None
         self._closed = False
         # spawn, not fork: the parent may hold threads (uvicorn, torch's pools) a fork would copy broken
         self.process = multiprocessing.get_context("spawn").Process(
@@ -89,7 +92,7 @@ class CoreProcessClient:
         while self.info is None:
             msg = self._recv(POLL_S)
             if isinstance(msg, CoreReady):
-                self.info = msg.info
+                self.info, self.ready_state = msg.info, msg.state
                 logger.info("engine core process %d is ready", msg.pid)
             elif isinstance(msg, CoreFailed):
                 self.shutdown()
@@ -224,7 +227,9 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
         from tokenmill.engine.core import EngineCore
 
         core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
-        send(CoreReady(plain_info(core.info), os.getpid()))
+        send(CoreReady(plain_info(core.info), os.getpid(), core.state()))
+        gc.collect()
+        gc.freeze()  # the model's and the pool's objects stay: collections under load skip them
         _loop(core, inbox, send)
     except BaseException as e:  # noqa: BLE001 - report whatever kills the core, then exit
         logging.getLogger("tokenmill").error("the engine core died: %r", e, exc_info=e)

@@ -74,9 +74,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
         self.last_step_stats: list[StepStats] = []  # the steps the last step() call took in
-        self._state = CoreState(num_free_blocks=info.num_blocks)  # a core process's, as of its last message
+        # a core process's, as of its last message
+        self._state = getattr(core, "ready_state", None) or CoreState(num_free_blocks=info.num_blocks)
         self._sequences: dict[str, Request] = {}  # this side's copy of every unfinished sequence
         self._added_since_state = 0  # sequences sent since the last state (the waiting count's lag)
+        self.num_sent = 0  # sequences sent to the core since it started (CoreState.num_added catches up)
         self._ids = itertools.count()
 
     @property
@@ -162,14 +164,18 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, slo_tpot_ms: float | None = None) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit.
-        ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it."""
+        ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it.
+        ``slo_tpot_ms``: its own TPOT SLO, which steps are planned to meet while it runs (with a latency
+        target set on the engine; ignored otherwise)."""
         params = params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameter(f"priority must be an integer (lower runs first), got {priority!r}", "priority")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if slo_tpot_ms is not None and not (isinstance(slo_tpot_ms, (int, float)) and slo_tpot_ms > 0):
+            raise InvalidParameter(f"slo_tpot_ms must be positive milliseconds, got {slo_tpot_ms!r}", "slo_tpot_ms")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -193,11 +199,14 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             if rid in self._sequences:
                 raise ValueError(f"request id {rid!r} is already in use")
-            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority))
+            children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens, priority,
+                                    slo_tpot_ms=slo_tpot_ms))
         for r in children:
             r.timings.arrival = arrival
-            self.core.add(AddRequest(r.request_id, ids, r.sampling_params, max_tokens, arrival, priority))
+            self.core.add(AddRequest(r.request_id, ids, r.sampling_params, max_tokens, arrival, priority,
+                                     slo_tpot_ms))
             self._sequences[r.request_id] = r
+            self.num_sent += 1
         self._added_since_state += len(children)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, children)
         return request_id

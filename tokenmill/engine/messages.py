@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.core.step_planner import Forecast
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.stats import SpecStepStats
 
@@ -35,6 +36,12 @@ class StepStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0  # of which found cached
     spec: SpecStepStats | None = None  # speculative decoding, when on
+    # with a latency target (core/step_planner.py): the step's predicted seconds, its token budget and the
+    # running-batch target
+    predicted_duration: float | None = None
+    token_budget: int | None = None
+    batch_target: int | None = None
+    cost_ratio: float | None = None  # observed over the cost model's step times, recently (it corrects plans)
 
 
 # ---- front end -> core ----------------------------------------------------------------
@@ -49,6 +56,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     max_tokens: int  # resolved
     arrival_time: float  # time.perf_counter (CLOCK_MONOTONIC: the same clock in both processes)
     priority: int = 0
+    slo_tpot_ms: float | None = None  # its own TPOT SLO
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -97,6 +105,8 @@ class CoreState(msgspec.Struct, omit_defaults=True):
     busy_seconds: float = 0.0  # time spent in steps since the core started
     invariant_error: str | None = None  # after CheckInvariants: what is wrong, or None
     invariants_checked: bool = False
+    forecast: Forecast | None = None  # with a latency target: what admission predicts TTFT from
+    num_added: int = 0  # sequences the core has added since it started (the forecast includes them)
 
 
 class CoreStep(msgspec.Struct, tag="step", omit_defaults=True):
@@ -135,6 +145,7 @@ def plain_info(info: CoreInfo) -> CoreInfo:
 class CoreReady(msgspec.Struct, tag="ready"):
     info: CoreInfo
     pid: int
+    state: CoreState | None = None  # as loaded (with a latency target: the idle engine's forecast)
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):

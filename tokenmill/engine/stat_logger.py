@@ -31,6 +31,9 @@ class LoggingStatLogger:
         self.prompt = self.gen = self.finished = 0
         self.queries = self.hits = 0  # prefix-cache lookups, in tokens
         self.drafts = self.draft_tokens = self.accepted = 0  # speculative decoding
+        self.shed: dict[str, int] = {}  # admission refusals (and predicted misses) by reason
+        self.predicted = self.observed = 0.0  # step seconds, where a latency target plans them
+        self.last: StepStats | None = None
 
     # ---- EngineObserver --------------------------------------------------------------
 
@@ -43,7 +46,14 @@ class LoggingStatLogger:
         if self.log_requests:
             _log_finished(output, now)
 
+    def on_admission(self, outcome: str) -> None:
+        self.shed[outcome] = self.shed.get(outcome, 0) + 1
+
     def on_step(self, stats: StepStats) -> None:
+        if stats.predicted_duration is not None:
+            self.predicted += stats.predicted_duration
+            self.observed += stats.duration
+            self.last = stats
         if not (self.prompt or self.gen or self.finished or self.queries or self.drafts):
             self.start = stats.start_time  # intervals count busy time: an idle gap starts a new one
         self.queries += stats.prefix_cache_queries
@@ -60,7 +70,7 @@ class LoggingStatLogger:
                 "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
                 self.prompt / dt, self.gen / dt, self.finished, s.num_running, s.num_waiting,
                 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks, s.num_preemptions,
-                self._prefix_text() + self._spec_text())
+                self._prefix_text() + self._spec_text() + self._plan_text())
             self._reset(now)
 
     def _spec_text(self) -> str:
@@ -70,6 +80,17 @@ class LoggingStatLogger:
         rate = self.accepted / self.draft_tokens
         return (f"; speculative decoding: acceptance rate {100 * rate:.1f}%, "
                 f"mean acceptance length {1 + self.accepted / self.drafts:.2f}")
+
+    def _plan_text(self) -> str:
+        """The SLO planner's targets, its step-time prediction against what the steps took, and refusals."""
+        parts = []
+        if self.last is not None and self.predicted:
+            parts.append(f"batch target {self.last.batch_target}, step budget {self.last.token_budget} tokens, "
+                         f"steps take {self.last.cost_ratio:.2f}x the cost model's time, "
+                         f"{100 * self.observed / self.predicted:.0f}% of the corrected prediction")
+        if self.shed:
+            parts.append("admission: " + ", ".join(f"{n} {why}" for why, n in sorted(self.shed.items())))
+        return "".join(f"; {p}" for p in parts)
 
     def _prefix_text(self) -> str:
         if not self.prefix_caching:

@@ -147,7 +147,7 @@ class ChatMixin:
         prep = _Prepared([ids], [""], params, max_tokens_param, "messages", structured_param=structured_param,
                          tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        await self.start(prep, request_id, req.priority or 0, arrival)
+        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

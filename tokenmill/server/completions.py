@@ -67,7 +67,7 @@ class CompletionsMixin:
             ids_list.append(ids)
         prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt", structured_param=structured_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        await self.start(prep, request_id, req.priority or 0, arrival)
+        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -98,6 +98,26 @@ class ServerMetrics:
                                      [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         # time the engine core spent in steps: 1 - its rate is the step loop's idle fraction
         self.engine_busy = counter("tokenmill:engine_busy_seconds", "Seconds the engine core spent running steps.")
+        # SLO-aware scheduling (core/step_planner.py): admission outcomes and the planner's targets
+        self._admission = Counter("tokenmill:requests_shed", "Requests refused at admission, by reason: ttft_slo "
+                                  "(predicted TTFT past its SLO) or queue_full (--max-waiting-requests).",
+                                  ["model_name", "reason"], registry=reg)
+        for reason in ("ttft_slo", "queue_full"):
+            self._admission.labels(model_name, reason)
+        self.predicted_misses = counter("tokenmill:slo_predicted_misses", "Requests admitted under --slo-policy "
+                                        "queue although their predicted TTFT missed the SLO.")
+        self.batch_target = Gauge("tokenmill:batch_size_target", "Running requests the planner allows (the "
+                                  "TPOT SLO's batch size; --max-num-seqs without one).", labels,
+                                  registry=reg).labels(model_name)
+        self.token_budget = Gauge("tokenmill:step_token_budget", "Token budget of the last step (adapted to the "
+                                  "latency target).", labels, registry=reg).labels(model_name)
+        self.step_predicted = Gauge("tokenmill:step_time_predicted_seconds", "Predicted duration of the last "
+                                    "step (the planner's cost model, corrected).", labels, registry=reg).labels(model_name)
+        self.step_observed = Gauge("tokenmill:step_time_observed_seconds", "Observed duration of the last step.",
+                                   labels, registry=reg).labels(model_name)
+        self.step_ratio = Gauge("tokenmill:step_time_ratio", "Observed over the cost model's step times, a moving "
+                                "average over about 20 steps: the correction plans apply (`tokenmill simulate "
+                                "--step-time-scale` takes it).", labels, registry=reg).labels(model_name)
         # speculative decoding (zero while it is off)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
@@ -113,8 +133,20 @@ class ServerMetrics:
         if num_generation_tokens:
             self.generation_tokens.inc(num_generation_tokens)
 
+    def on_admission(self, outcome: str) -> None:
+        if outcome == "predicted_miss":
+            self.predicted_misses.inc()
+        else:
+            self._admission.labels(self._model_name, outcome).inc()
+
     def on_step(self, stats: StepStats) -> None:
         self.engine_busy.inc(stats.duration)
+        if stats.predicted_duration is not None:
+            self.step_predicted.set(stats.predicted_duration)
+            self.step_observed.set(stats.duration)
+            self.token_budget.set(stats.token_budget)
+            self.batch_target.set(stats.batch_target)
+            self.step_ratio.set(stats.cost_ratio)
         num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)

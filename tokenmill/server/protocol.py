@@ -100,6 +100,9 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     priority: int | None = Field(0, ge=INT32_MIN, le=INT32_MAX,
                                  description="scheduling priority (vLLM extension; lower runs first)")
+    # tokenmill's extension: the request's own SLOs, over the server's --slo-ttft-ms / --slo-tpot-ms
+    slo_ttft_ms: float | None = Field(None, gt=0, description="shed with 503 if the first token cannot come in time")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="time per output token the steps are planned to meet")
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(None, ge=1)

@@ -3,6 +3,7 @@ tests, and ``tokenmill serve``."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -157,6 +158,10 @@ def serve(engine: AsyncEngine, config: ServerConfig, host: str = "127.0.0.1", po
     """Run the server in the foreground until SIGTERM/SIGINT, then drain and return 0."""
     app = build_app(engine, config)
     server = make_server(app, host, port, log_level=log_level, access_log=access_log)
+    # What startup allocated lives as long as the server: out of the collector's sight, a full collection
+    # under load does not walk it (vLLM does the same), so a shed request's 503 is not held up by one.
+    gc.collect()
+    gc.freeze()
     # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit.
     main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}

@@ -14,7 +14,7 @@ from tokenmill.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineDrainingError,
-    QueueFullError,
+    QueueFullError, SLOShedError,
     RequestStream,
 )
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
@@ -223,13 +223,15 @@ class ServingBase:
                               f"requested ({n} in the prompt, {max_tokens} for the completion); lower "
                               f"{max_tokens_param} to at most {ctx - n}", max_tokens_param, "context_length_exceeded")
 
-    async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float) -> None:
+    async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float,
+                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
         """Queue every prompt (all in the same engine pause); on any failure abort what was queued and
         raise an OpenAIError."""
         one = len(prep.prompt_ids) == 1
         adds = [asyncio.ensure_future(self.engine.add_request(
             ids, prep.params, request_id if one else f"{request_id}-{i}", priority, add_special_tokens=False,
-            arrival_time=arrival)) for i, ids in enumerate(prep.prompt_ids)]
+            arrival_time=arrival, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms))
+            for i, ids in enumerate(prep.prompt_ids)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except BaseException:  # cancelled (client gone): the adds abort themselves when cancelled
@@ -249,6 +251,8 @@ class ServingBase:
     def _engine_error(self, e: BaseException, prep: _Prepared) -> BaseException:
         if isinstance(e, QueueFullError):
             return OpenAIError(503, str(e), None, "overloaded", headers={"Retry-After": "1"})
+        if isinstance(e, SLOShedError):
+            return OpenAIError(503, str(e), None, "slo_overloaded", headers={"Retry-After": str(e.retry_after)})
         if isinstance(e, EngineDrainingError):
             return OpenAIError(503, str(e), None, "draining")
         if isinstance(e, EngineDeadError):

@@ -25,6 +25,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-dtype", default="bf16", help="roofline: weight bytes (bf16, fp8, int8, int4; default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="roofline: KV cache element (bf16, fp8, int8; default bf16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="roofline: devices per replica (default 1)")
+    g.add_argument("--step-time-scale", type=float, default=1.0,
+                   help="multiply every step time by this: a loaded server's observed/predicted ratio "
+                        "(its tokenmill:step_time_ratio gauge) carries a profile over to serving (default 1)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool bytes (e.g. 40GiB); default: 90%% of the device memory less the weights "
                         "(--hardware), or what the profile's engine had (--profile)")
@@ -35,6 +38,15 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--itl-target-ms", type=float, default=None,
+                   help="plan each step's token budget to this inter-token latency, as `serve` does (its default "
+                        "there is 100; here off unless given)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="shed (or count, --slo-policy queue) "
+                   "requests whose predicted TTFT misses this, as `serve --slo-ttft-ms` does")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="plan steps and hold the batch size to this TPOT, as `serve --slo-tpot-ms` does")
+    g.add_argument("--slo-policy", default="shed", choices=["shed", "queue"])
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--request-rate", type=float, default=None,
                    help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
@@ -80,7 +92,8 @@ def model_config(model: str):  # noqa: ANN201
 def build(a: argparse.Namespace):  # noqa: ANN201
     """(cost model, simulator, description) for one configuration's flags."""
     from tokenmill.config import SchedulerConfig, parse_memory
-    from tokenmill.sim.cost import CalibratedCost, RooflineCost, kv_bytes_per_token
+    from tokenmill.core.step_cost import CalibratedCost
+    from tokenmill.sim.cost import RooflineCost, ScaledCost, kv_bytes_per_token
     from tokenmill.sim.hardware import load_hardware
     from tokenmill.sim.simulator import Simulator
 
@@ -105,6 +118,9 @@ def build(a: argparse.Namespace):  # noqa: ANN201
                              "--weight-dtype")
         what = f"{name} on {a.tensor_parallel_size} x {hw.name} (roofline; {hw.source})"
         budget = 8192
+    if a.step_time_scale != 1.0:
+        cost = ScaledCost(cost, a.step_time_scale)
+        what += f", step times x {a.step_time_scale:g}"
     if a.kv_cache_memory is not None:
         kind, value = parse_memory(a.kv_cache_memory)
         if kind != "bytes":
@@ -113,9 +129,12 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     num_blocks = int(pool // (kv_token * a.block_size))
     if num_blocks < 1:
         raise ValueError("the KV pool holds no block; raise --kv-cache-memory")
+    targets = dict(itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+                   slo_policy=a.slo_policy, policy=a.scheduling_policy)
+    plans = bool(targets["itl_target_ms"] or a.slo_ttft_ms or a.slo_tpot_ms)
     sched = SchedulerConfig(max_num_seqs=a.max_num_seqs,
-                            max_num_batched_tokens=a.max_num_batched_tokens or budget,
-                            enable_chunked_prefill=a.enable_chunked_prefill)
+                            max_num_batched_tokens=a.max_num_batched_tokens or (None if plans else budget),
+                            enable_chunked_prefill=a.enable_chunked_prefill, **targets)
     sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True)
     return cost, sim, what, kv_token
 

@@ -14,44 +14,11 @@ MLP width I, vocabulary V, over a step of T tokens of which S are sampled:
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
-
 from tokenmill.config import ModelConfig
+from tokenmill.core.step_cost import StepShape
 from tokenmill.sim.hardware import HardwareProfile
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
-
-
-@dataclass(frozen=True)
-class StepShape:
-    prefill_tokens: int
-    decode_tokens: int
-    sampled: int  # rows whose logits are computed
-    attention_context: int  # sum over the step's tokens of the context each attends to
-    kv_read_tokens: int  # sum over the step's requests of their context (read once each)
-    decode_context: int  # sum of the decoding requests' contexts
-    num_seqs: int
-
-    @property
-    def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_tokens
-
-    @classmethod
-    def of(cls, sched) -> "StepShape":  # noqa: ANN001 -- a core.scheduler.SchedulerOutput
-        attn = kv = dec_ctx = sampled = 0
-        for s in sched.scheduled:
-            n, start = len(s.token_ids), s.start_pos
-            attn += n * start + n * (n + 1) // 2
-            kv += start + n
-            if n == 1:
-                dec_ctx += start + 1
-            if s.needs_logits:
-                sampled += 1 + s.num_draft_tokens
-        return cls(sched.num_prefill_tokens, sched.num_decode_tokens, sampled, attn, kv, dec_ctx, len(sched.scheduled))
 
 
 def layer_params(cfg: ModelConfig) -> int:
@@ -108,58 +75,18 @@ class RooflineCost:
         return self.breakdown(s)["seconds"]
 
 
-FEATURES = ("1", "prefill_tokens", "decode_tokens", "decode_context", "prefill_attention", "sampled")
+class ScaledCost:
+    """Another cost model's step times times ``scale``: what a loaded server adds to the steps its profile
+    timed alone (HTTP, detokenization, a benchmark client on the same cores), as its planner measured it
+    (the ``tokenmill:step_time_ratio`` gauge, the "step time N% of predicted" log line)."""
 
-
-def features(s: StepShape) -> list[float]:
-    prefill_attn = s.attention_context - s.decode_context  # the decodes' share is their context
-    return [1.0, s.prefill_tokens, s.decode_tokens, s.decode_context / 1e3, prefill_attn / 1e3, s.sampled]
-
-
-class CalibratedCost:
-    """A linear model of measured step times over the step's shape (FEATURES), fitted by least squares
-    to ``tokenmill profile``'s grid on the machine at hand."""
-
-    def __init__(self, coef: list[float], meta: dict | None = None) -> None:
-        self.coef, self.meta = np.asarray(coef, dtype=float), meta or {}
-        self.floor = float(self.meta.get("min_seconds", 0.0))
-
-    @classmethod
-    def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict | None = None) -> "CalibratedCost":
-        x, y = np.asarray([features(s) for s in shapes]), np.asarray(seconds)
-        # least squares with no negative per-token cost: a term that comes out negative is dropped and
-        # the rest refitted (an active set), so "where the time goes" never reads below zero
-        active = list(range(x.shape[1]))
-        coef = np.zeros(x.shape[1])
-        while True:
-            sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-            neg = [a for a, c in zip(active, sol) if c < 0 and a != 0]
-            if not neg:
-                coef[active] = sol
-                break
-            active.remove(min(neg, key=lambda a: sol[active.index(a)]))
-        return cls(coef.tolist(), {**(meta or {}), "min_seconds": float(min(seconds))})
+    def __init__(self, inner, scale: float) -> None:  # noqa: ANN001
+        if not scale > 0:
+            raise ValueError(f"--step-time-scale must be positive, got {scale}")
+        self.inner, self.scale = inner, scale
 
     def __call__(self, s: StepShape) -> float:
-        return max(float(np.dot(self.coef, features(s))), self.floor)
+        return self.scale * self.inner(s)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
-        f = features(s)
-        prefill = self.coef[1] * f[1] + self.coef[4] * f[4]
-        decode = self.coef[2] * f[2] + self.coef[3] * f[3]
-        return {"prefill_s": prefill, "decode_s": decode, "seconds": self(s)}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"kind": "calibrated", "features": FEATURES, "coef": self.coef.tolist(),
-                                          **self.meta}, indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CalibratedCost":
-        try:
-            doc = json.loads(Path(path).read_text())
-            if doc.get("kind") != "calibrated" or list(doc["features"]) != list(FEATURES):
-                raise ValueError("not a calibrated profile of this tokenmill version")
-            meta = {k: v for k, v in doc.items() if k not in ("kind", "features", "coef")}
-            return cls(doc["coef"], meta)
-        except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
-            raise ValueError(f"{path} is not a profile written by `tokenmill profile` ({e})") from None
+        return {k: self.scale * v for k, v in self.inner.breakdown(s).items()}

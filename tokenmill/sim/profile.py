@@ -19,6 +19,12 @@ CHUNKS = (16, 64, 128, 256)
 CHUNK_STARTS = (0, 512)
 
 
+# What an engine with a latency target times at startup when no profile is given: decodes at a few batch
+# sizes and contexts, chunks at two offsets, one mixed step (about a second for the embedded model).
+STARTUP_GRID = ((1, 128, 0, 0), (8, 512, 0, 0), (32, 256, 0, 0), (16, 1024, 0, 0),
+                (0, 0, 32, 0), (0, 0, 128, 0), (0, 0, 128, 512), (0, 0, 256, 0), (8, 512, 64, 0))
+
+
 def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
     """(decode requests, their context, prefill chunk tokens, chunk start) per point."""
     batches = DECODE_BATCHES[::2] if quick else DECODE_BATCHES
@@ -73,11 +79,32 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
     return out, statistics.median(times[1:])
 
 
+def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
+    """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
+    from tokenmill.core.step_cost import CalibratedCost, StepShape
+
+    shapes, seconds = [], []
+    limit = engine.max_model_len
+    for p in points:
+        if max(p[1], p[2] + p[3]) > limit:
+            continue
+        try:
+            out, s = measure(engine, p, repeats)
+        except ValueError:  # the pool is too small for it
+            continue
+        shapes.append(StepShape.of(out))
+        seconds.append(s)
+    if len(shapes) < 2:
+        raise ValueError("too few calibration steps fit in the KV pool to plan step times; raise "
+                         "--kv-cache-memory, or give --step-cost-profile from `tokenmill profile`")
+    return CalibratedCost.fit(shapes, seconds), len(shapes)
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.sim.cost import CalibratedCost, StepShape
+    from tokenmill.core.step_cost import CalibratedCost, StepShape
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(a)))
     for layer in engine.runner.kv_caches:  # timing over a zeroed pool, not stale memory's NaNs or denormals

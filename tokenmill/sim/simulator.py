@@ -21,7 +21,8 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.sim.cost import StepShape
+from tokenmill.core.step_cost import StepShape
+from tokenmill.core.step_planner import SLOAdmission, SLOPlanner
 
 SIM_TOKEN = 1  # what every simulated step "samples": any id that is not a stop token
 
@@ -60,6 +61,10 @@ class Simulator:
     def run(self, requests: Sequence[SampleRequest], arrivals: Sequence[float], seed: int = 0) -> SimResult:
         kv = KVCacheManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
         sched = Scheduler(self.config, kv, self.max_model_len)
+        admission = None
+        if self.config.plans_steps:  # the engine's SLO planner, on the cost model as the truth
+            sched.planner = SLOPlanner(self.config, self.cost)
+            admission = SLOAdmission(self.config.slo_ttft_ms, self.config.slo_policy, self.config.policy == "fcfs")
         now = 0.0
         sched.clock = lambda: now
         rng = np.random.default_rng(seed)
@@ -67,6 +72,7 @@ class Simulator:
         by_id: dict[str, tuple[int, Request]] = {}
         steps: list[SimStep] = []
         rejected: dict[int, str] = {}
+        shed: dict[int, str] = {}
         i, n = 0, len(requests)
         breakdown = getattr(self.cost, "breakdown", None) if self.keep_breakdown else None
         while i < n or sched.has_unfinished():
@@ -78,6 +84,11 @@ class Simulator:
                 req = Request(str(k), ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), frozenset(),
                               r.output_len)
                 req.timings.arrival = float(arrivals[k])
+                if admission is not None:
+                    verdict = admission.check(sched.planner.forecast(sched), len(ids))
+                    if not verdict.admit:  # the server's 503, at once
+                        shed[k] = f"shed: predicted TTFT {verdict.predicted_ttft_s:.2f} s"
+                        continue
                 try:
                     sched.add_request(req)
                 except ValueError as e:  # can never fit: the server would answer 400
@@ -104,11 +115,15 @@ class Simulator:
                                  tuple((s.request_id, len(s.token_ids)) for s in out.scheduled),
                                  len(sched.running), len(sched.waiting), kv.num_blocks - kv.num_free_blocks,
                                  breakdown(shape) if breakdown else None))
-        results = [self._result(k, requests[k], by_id.get(str(k)), rejected.get(k)) for k in range(n)]
+        results = [self._result(k, requests[k], by_id.get(str(k)), rejected.get(k), shed.get(k), arrivals[k])
+                   for k in range(n)]
         return SimResult(results, steps, now, sched.num_preemptions, self.num_blocks, self.block_size)
 
     @staticmethod
-    def _result(k: int, r: SampleRequest, entry, error: str | None) -> RequestResult:
+    def _result(k: int, r: SampleRequest, entry, error: str | None, shed: str | None, arrival: float) -> RequestResult:
+        if shed is not None:
+            return RequestResult(k, r.prompt_len, r.output_len, scheduled_s=arrival, start_s=arrival, end_s=arrival,
+                                 success=False, error=shed, status=503)
         if entry is None:
             return RequestResult(k, r.prompt_len, r.output_len, success=False, error=error or "not run", status=400)
         _, req = entry
