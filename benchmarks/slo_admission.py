@@ -10,13 +10,13 @@ with the same flags and prints its goodput beside the real one.
     python benchmarks/slo_admission.py --scenario poisson --rates 1,2,3,4,6,8 --simulate profile.json
     python benchmarks/slo_admission.py --scenario bursty --rates 4,8
     python benchmarks/slo_admission.py --scenario trace --trace ../shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv
-    python benchmarks/slo_admission.py --scenario chunked
+    python benchmarks/slo_admission.py --scenario chunked          # and chunked-slo: with the SLO flags
 
 Scenarios (the issue's): poisson / bursty (gamma, burstiness 0.3): random 128/128 against
 `--max-num-seqs 64`, SLO p99 TTFT 1 s and TPOT 100 ms, `--slo-ttft-ms 1000 --slo-tpot-ms 100` against
 `--itl-target-ms 0` (the fixed 256-token budget); trace: the Azure conversation trace's lengths and
 arrivals, lengths halved; chunked: 64-token prompts with every fifth 1,500 tokens, 96 output tokens, 30 at 0.5 req/s,
-the default server (100 ms ITL target) against `--itl-target-ms 0`.
+the default server (100 ms ITL target), or with the SLO flags (chunked-slo), against `--itl-target-ms 0`.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ def scenario(a: argparse.Namespace) -> tuple[str, str, str, str, list[str]]:
         return (*slo, *fixed, ["--dataset", "trace", "--dataset-path", a.trace, "--num-prompts", str(a.num_prompts),
                                "--time-scale", str(a.time_scale), "--trace-length-scale", "0.5",
                                "--goodput", *SLOS])
-    if a.scenario == "chunked":
-        return (base, "default (100 ms ITL target)", f"{base} --itl-target-ms 0", "fixed budget 256",
+    if a.scenario in ("chunked", "chunked-slo"):
+        new = (base, "default (100 ms ITL target)") if a.scenario == "chunked" else (f"{base} {SLO_FLAGS}",
+                                                                                     "slo-aware")
+        return (*new, f"{base} --itl-target-ms 0", "fixed budget 256",
                 ["--dataset", "random", "--input-len", "64", "--output-len", "96", "--long-input-every", "5",
                  "--long-input-len", "1500", "--num-prompts", "30", "--request-rate", "0.5", "--goodput", *SLOS])
     sys.exit(f"unknown scenario {a.scenario}")
@@ -101,7 +103,7 @@ def simulate(profile: str, server_cmd: str, rate: float, num_prompts: int, seed:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", required=True, choices=["poisson", "bursty", "trace", "chunked"])
+    ap.add_argument("--scenario", required=True, choices=["poisson", "bursty", "trace", "chunked", "chunked-slo"])
     ap.add_argument("--rates", default="1,2,3,4,6,8")
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--trace", default=None)

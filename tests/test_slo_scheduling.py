@@ -188,6 +188,27 @@ def test_queue_policy_starves_nobody():
     assert max(len(s.scheduled) for s in out.steps) <= 15
 
 
+def test_simulate_cli_compares_slo_aware_with_todays_scheduler(tmp_path, capsys):
+    import json
+    import re
+
+    from test_simulator import LLAMA3_8B
+    from tokenmill.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    # Llama 3 8B on one L4 at 8 req/s of 512/128: several times what it can serve
+    assert main(["simulate", "--model", str(tmp_path / "config.json"), "--hardware", "l4", "--dataset", "random",
+                 "--num-prompts", "200", "--input-len", "512", "--output-len", "128", "--tokenizer",
+                 "smollm2-135m-instruct", "--request-rate", "8", "--duration", "25", "--max-num-seqs", "64",
+                 "--slo", "ttft:1000", "tpot:100", "--compare", "--slo-ttft-ms 1000 --slo-tpot-ms 100"]) == 0
+    text = capsys.readouterr().out
+    today, slo = text.split("== B:")
+    goodput = [float(re.search(r"Request goodput \(req/s\):\s+([0-9.]+)", t).group(1)) for t in (today, slo)]
+    failed = [int(re.search(r"Failed requests:\s+([0-9]+)", t).group(1)) for t in (today, slo)]
+    assert failed[0] == 0 and failed[1] > 0  # today's admits everyone; the SLO-aware one sheds
+    assert goodput[1] > 2 * goodput[0]
+
+
 # ---------------------------------------------------------------- the server: 503 with Retry-After, at once
 
 
@@ -226,6 +247,12 @@ def test_server_sheds_with_503_and_retry_after_within_50ms():
         r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2,
                                                           "slo_ttft_ms": 600_000})
         assert r.status_code == 200, r.text
+        # and its own TPOT SLO travels with it; a bad one is the caller's error
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 2,
+                                                          "slo_ttft_ms": 600_000, "slo_tpot_ms": 40})
+        assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "fake", "prompt": "x", "slo_tpot_ms": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "slo_tpot_ms"
 
 
 # ---------------------------------------------------------------- the real engine, as `serve` configures it

@@ -20,9 +20,10 @@ CHUNK_STARTS = (0, 512)
 
 
 # What an engine with a latency target times at startup when no profile is given: decodes at a few batch
-# sizes and contexts, chunks at two offsets, one mixed step (about a second for the embedded model).
-STARTUP_GRID = ((1, 128, 0, 0), (8, 512, 0, 0), (32, 256, 0, 0), (16, 1024, 0, 0),
-                (0, 0, 32, 0), (0, 0, 128, 0), (0, 0, 128, 512), (0, 0, 256, 0), (8, 512, 64, 0))
+# sizes and contexts, chunks at three offsets, mixed steps (about 1.5 s for the embedded model).
+STARTUP_GRID = ((1, 128, 0, 0), (2, 256, 0, 0), (8, 512, 0, 0), (32, 256, 0, 0), (16, 1024, 0, 0),
+                (0, 0, 16, 0), (0, 0, 32, 0), (0, 0, 128, 0), (0, 0, 128, 512), (0, 0, 256, 0), (0, 0, 64, 1024),
+                (8, 512, 64, 0), (4, 256, 64, 1024))
 
 
 def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
