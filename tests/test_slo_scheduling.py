@@ -20,7 +20,8 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_cost import StepShape
-from tokenmill.core.step_planner import MIN_CHUNK, Forecast, SLOAdmission, SLOPlanner, predict_ttft
+from tokenmill.core.step_planner import (MIN_CHUNK, Forecast, SLOAdmission, SLOPlanner, predict_ttft,
+                                         prefill_equivalent)
 from tokenmill.sim.simulator import Simulator
 from test_scheduler import FakeRunner, check_state, make_request
 
@@ -136,6 +137,20 @@ def test_predicted_ttft_by_hand():
     assert predict_ttft(f, 50, priority=0, fcfs=False, elapsed_s=0.5) == pytest.approx(0.1 + max(0.1, 0.5 + 0.1))
     # more waiting than the running batch frees once: a request lifetime at least
     assert math.isinf(predict_ttft(f, 50, pending_seqs=10))
+
+
+def test_deep_prompts_count_the_smaller_chunks_they_take():
+    table = [(0, 100), (256, 50)]  # from position 256 on, a step takes half as many of the prompt's tokens
+    assert prefill_equivalent(table, 0, 128) == pytest.approx(128)
+    # chunk by chunk: 0-100-200-300 (a chunk starting before 256 is a shallow one), then 212 at 50 a step:
+    # 3 + 4.24 steps, i.e. 724 first-chunk tokens
+    assert prefill_equivalent(table, 0, 512) == pytest.approx(724)
+    assert prefill_equivalent(table, 256, 512) == pytest.approx(512)  # a prompt part-computed already
+    assert prefill_equivalent([], 0, 512) == 512
+    f = Forecast(step_s=0.1, prefill_per_step=100, free_slots=5, chunk_at=table)
+    # the step in flight, then ceil(724 / 100) steps: 0.9 s, not the 0.7 s its length alone would say
+    v = SLOAdmission(ttft_ms=1000, headroom=1.0).check(f, 512)
+    assert v.predicted_ttft_s == pytest.approx(0.9) and v.prefill_tokens == pytest.approx(724)
 
 
 def test_admission_sheds_only_what_misses():

@@ -46,6 +46,30 @@ class Forecast(msgspec.Struct, array_like=True, omit_defaults=True):
     waiting: list[tuple[int, int, int]] = []  # (priority, sequences, prompt tokens to compute), by priority
     free_slots: int = 0  # the batch target less the running: negative when the target fell below the batch
     slot_steps: list[int] = []  # the running requests' remaining decode steps, ascending: when slots free
+    # (prompt position, the chunk planned from there), ascending: deeper chunks are smaller (their attention
+    # reads more context); token counts above are in first-chunk tokens (prefill_equivalent)
+    chunk_at: list[tuple[int, int]] = []
+
+
+# Prompt positions the forecast plans a chunk from (those under the context length).
+DEPTHS = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def prefill_equivalent(chunk_at: list[tuple[int, int]], start: int, end: int) -> float:
+    """Prompt positions start..end as first-chunk tokens: the steps they take, chunk by chunk at each
+    depth's planned size, times the first chunk's size. A long prompt takes more steps than its length at
+    the first chunk's rate; without a table the tokens count as they are."""
+    if not chunk_at or end <= start:
+        return float(max(end - start, 0))
+    pos, steps, i = start, 0.0, 0
+    while pos < end:
+        while i + 1 < len(chunk_at) and chunk_at[i + 1][0] <= pos:
+            i += 1
+        c = max(chunk_at[i][1], 1)
+        n = min(c, end - pos)
+        steps += n / c
+        pos += n
+    return steps * max(chunk_at[0][1], 1)
 
 
 class FixedPlanner:
@@ -149,20 +173,24 @@ class SLOPlanner:
         everyone = list(sched.running) + list(sched.waiting)
         context = sum(r.num_tokens for r in everyone) // len(everyone) if everyone else 0
         target = self.target(sched)
-        chunk = (self.max_prefill(batch, batch * context, 0, target) if self.config.enable_chunked_prefill
-                 else self.config.max_num_batched_tokens)
+        if self.config.enable_chunked_prefill:
+            chunk_at = [(d, self.max_prefill(batch, batch * context, d, target)) for d in DEPTHS
+                        if d < sched.max_model_len]
+        else:
+            chunk_at = [(0, self.config.max_num_batched_tokens)]
+        chunk = chunk_at[0][1]
         step_s = self.predict(StepShape.planned(batch, batch * context, chunk, 0))
         waiting: dict[int, list[int]] = {}
         for r in sched.waiting:
             w = waiting.setdefault(r.priority, [0, 0])
             w[0] += 1
-            w[1] += r.num_tokens - r.num_computed_tokens
-        running_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.running
-                              if r.num_tokens - r.num_computed_tokens > 1)
+            w[1] += round(prefill_equivalent(chunk_at, r.num_computed_tokens, r.num_tokens))
+        running_prefill = sum(round(prefill_equivalent(chunk_at, r.num_computed_tokens, r.num_tokens))
+                              for r in sched.running if r.num_tokens - r.num_computed_tokens > 1)
         return Forecast(step_s, max(chunk, 1), running_prefill,
                         [(p, c, t) for p, (c, t) in sorted(waiting.items())],
                         cap - len(sched.running),
-                        sorted(r.max_tokens - r.num_output_tokens for r in sched.running))
+                        sorted(r.max_tokens - r.num_output_tokens for r in sched.running), chunk_at)
 
 
 @dataclass(frozen=True)
@@ -170,15 +198,17 @@ class Verdict:
     admit: bool
     meets: bool  # the predicted TTFT meets the target (under ``queue`` a request that does not is admitted)
     predicted_ttft_s: float
+    prefill_tokens: float  # its prompt in first-chunk tokens (what it adds to the backlog once admitted)
     retry_after_s: int = 0  # when shed: seconds until the backlog has drained enough to fit
 
 
-def predict_ttft(f: Forecast, prompt_tokens: int, priority: int = 0, fcfs: bool = True, elapsed_s: float = 0.0,
-                 pending_seqs: int = 0, pending_tokens: int = 0) -> float:
+def predict_ttft(f: Forecast, prompt_tokens: float, priority: int = 0, fcfs: bool = True, elapsed_s: float = 0.0,
+                 pending_seqs: int = 0, pending_tokens: float = 0) -> float:
     """A newcomer's time to first token: the step in flight when it arrives (it joins the next one), then
     the later of (a) the prefill ahead of it (running prefills and waiting prompts it does not overtake,
     plus ``pending`` ones admitted since the forecast, less what ``elapsed_s`` of steps computed since)
-    and (b) a free batch slot, then its own prefill."""
+    and (b) a free batch slot, then its own prefill. Token counts are first-chunk tokens
+    (``prefill_equivalent``), ``prompt_tokens`` too."""
     seqs, tokens = pending_seqs, pending_tokens
     for p, c, t in f.waiting:
         if fcfs or p <= priority:
@@ -206,13 +236,14 @@ class SLOAdmission:
         self.policy, self.fcfs, self.headroom = policy, fcfs, headroom
 
     def check(self, f: Forecast | None, prompt_tokens: int, priority: int = 0, ttft_ms: float | None = None,
-              elapsed_s: float = 0.0, pending_seqs: int = 0, pending_tokens: int = 0) -> Verdict:
+              elapsed_s: float = 0.0, pending_seqs: int = 0, pending_tokens: float = 0) -> Verdict:
         target = ttft_ms / 1e3 if ttft_ms else self.ttft_s
         if f is None or target is None:
-            return Verdict(True, True, 0.0)
+            return Verdict(True, True, 0.0, prompt_tokens)
         target *= self.headroom
-        t = predict_ttft(f, prompt_tokens, priority, self.fcfs, elapsed_s, pending_seqs, pending_tokens)
+        work = prefill_equivalent(f.chunk_at, 0, prompt_tokens)
+        t = predict_ttft(f, work, priority, self.fcfs, elapsed_s, pending_seqs, pending_tokens)
         if t <= target or self.policy == "queue":
-            return Verdict(True, t <= target, t)
+            return Verdict(True, t <= target, t, work)
         wait = t - target if math.isfinite(t) else (f.slot_steps[-1] if f.slot_steps else 1) * f.step_s
-        return Verdict(False, False, t, max(1, math.ceil(wait)))
+        return Verdict(False, False, t, work, max(1, math.ceil(wait)))

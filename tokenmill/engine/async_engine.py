@@ -343,7 +343,7 @@ class AsyncEngine:
         if not verdict.meets:
             self._tell_admission("predicted_miss")
         logger.debug("request %s admitted: predicted TTFT %.3f s", stream.request_id, verdict.predicted_ttft_s)
-        entry = [None, n, n * num_tokens]
+        entry = [None, n, n * verdict.prefill_tokens]
         self._admitted.append(entry)
         return entry
 
