@@ -69,12 +69,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens per request and step (default 3)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match (default 4)")
+    add_latency_args(p)
+
+
+def add_latency_args(p: argparse.ArgumentParser, step_cost_profile: bool = True) -> None:
+    """The latency targets and SLOs (core/step_planner.py): serve's, and simulate's, which runs the same planner."""
     g = p.add_argument_group("latency targets and SLOs")
     g.add_argument("--itl-target-ms", type=float, default=None,
                    help="inter-token latency each step is planned to meet: a step takes the running decodes plus "
                         "the largest prefill chunk whose predicted time fits (Sarathi-Serve's rule), so long "
                         "prompts never stall the decodes past it (serve: default 100; other commands: off, the "
-                        "fixed --max-num-batched-tokens; 0 turns it off)")
+                        "fixed --max-num-batched-tokens; 0 turns it off; simulate: off unless given)")
     g.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="time-to-first-token SLO: a request whose predicted TTFT misses it is answered at once "
                         "with 503 and Retry-After (--slo-policy shed), never admitted to make everyone late; a "
@@ -86,9 +91,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-policy", default="shed", choices=["shed", "queue"],
                    help="a request that cannot meet its TTFT SLO: shed (default: 503 + Retry-After within "
                         "milliseconds) or queue (admit it anyway, counted in tokenmill:slo_predicted_misses_total)")
-    g.add_argument("--step-cost-profile", default=None, metavar="FILE.json",
-                   help="the step-cost model the targets plan with, from `tokenmill profile` (default: a second "
-                        "of steps timed at startup)")
+    if step_cost_profile:
+        g.add_argument("--step-cost-profile", default=None, metavar="FILE.json",
+                       help="the step-cost model the targets plan with, from `tokenmill profile` (default: about "
+                            "1.5 s of steps timed at startup)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ SEARCH_STEPS = 8  # bisection steps of the rate search once a failing rate is br
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.bench.serve import add_dataset_args
+    from tokenmill.engine.arg_utils import add_latency_args
 
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", default="smollm2-135m-instruct",
@@ -39,14 +40,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--itl-target-ms", type=float, default=None,
-                   help="plan each step's token budget to this inter-token latency, as `serve` does (its default "
-                        "there is 100; here off unless given)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="shed (or count, --slo-policy queue) "
-                   "requests whose predicted TTFT misses this, as `serve --slo-ttft-ms` does")
-    g.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="plan steps and hold the batch size to this TPOT, as `serve --slo-tpot-ms` does")
-    g.add_argument("--slo-policy", default="shed", choices=["shed", "queue"])
+    add_latency_args(p, step_cost_profile=False)  # the server's own planner and admission
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--request-rate", type=float, default=None,
                    help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
