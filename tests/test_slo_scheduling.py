@@ -285,6 +285,9 @@ def test_serve_plans_to_a_100ms_itl_by_default_and_offline_commands_do_not():
     assert not off.plans_steps and off.max_num_batched_tokens == 256
     offline = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["generate", "hi"]))).scheduler
     assert not offline.plans_steps
+    with pytest.raises(ValueError, match="--slo-tpot-ms or --itl-target-ms"):
+        EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["serve", "--itl-target-ms", "0",
+                                                               "--slo-ttft-ms", "1000"])))
 
 
 def test_planned_steps_on_the_real_model_keep_the_default_outputs(llm_default):

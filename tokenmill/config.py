@@ -99,6 +99,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"{name} must be positive milliseconds or None, got {v!r}")
+        if self.slo_ttft_ms and not (self.slo_tpot_ms or self.itl_target_ms):
+            raise ValueError("slo_ttft_ms is predicted from planned steps, which need a step-time target: give "
+                             "--slo-tpot-ms or --itl-target-ms (serve's default, 100) as well")
         if self.slo_policy not in SLO_POLICIES:
             raise ValueError(f"slo_policy must be one of {', '.join(SLO_POLICIES)}, got {self.slo_policy!r}")
         if self.max_num_batched_tokens is None:

@@ -158,7 +158,7 @@ class SLOPlanner:
         if not self.config.slo_tpot_ms:
             return self.config.max_num_seqs
         reqs = list(sched.running) or list(sched.waiting)[:1]
-        # the contexts the batch will reach: halfway through the longest remaining output
+        # the mean context the batch will have halfway through its remaining outputs
         context = (sum(r.num_tokens + (r.max_tokens - r.num_output_tokens) // 2 for r in reqs) // len(reqs)
                    if reqs else 512)
         self.last_batch_target = self.batch_target(max(context, 1), self.target(sched))

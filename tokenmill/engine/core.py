@@ -162,7 +162,7 @@ class EngineCore:
 
     def _step_cost(self, config: EngineConfig) -> CalibratedCost:
         """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
-        steps timed on this machine (about a second for the embedded model)."""
+        steps timed on this machine (about 1.5 s for the embedded model)."""
         if config.step_cost_profile:
             cost = CalibratedCost.load(config.step_cost_profile)
             made_for = cost.meta.get("model")
