@@ -67,6 +67,7 @@ class CalibratedCost:
 
     def __init__(self, coef: list[float], meta: dict | None = None) -> None:
         self.coef, self.meta = np.asarray(coef, dtype=float), meta or {}
+        self._coef = tuple(float(c) for c in self.coef)  # plain floats: the planner calls this many times a step
         self.floor = float(self.meta.get("min_seconds", 0.0))
 
     @classmethod
@@ -89,7 +90,7 @@ class CalibratedCost:
         return cls(coef.tolist(), {**(meta or {}), "min_seconds": float(min(seconds))})
 
     def __call__(self, s: StepShape) -> float:
-        return max(float(np.dot(self.coef, features(s))), self.floor)
+        return max(sum(c * f for c, f in zip(self._coef, features(s))), self.floor)
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         f = features(s)

@@ -80,21 +80,32 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
     return out, statistics.median(times[1:])
 
 
-def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
-    """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
-    from tokenmill.core.step_cost import CalibratedCost, StepShape
+def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001, ANN201
+    """(StepShapes, median seconds) of the points that fit the engine's context and KV pool; ``report(i, point,
+    seconds or why skipped)`` hears of each."""
+    from tokenmill.core.step_cost import StepShape
 
     shapes, seconds = [], []
-    limit = engine.max_model_len
-    for p in points:
-        if max(p[1], p[2] + p[3]) > limit:
-            continue
-        try:
-            out, s = measure(engine, p, repeats)
-        except ValueError:  # the pool is too small for it
-            continue
-        shapes.append(StepShape.of(out))
-        seconds.append(s)
+    for i, p in enumerate(points):
+        if max(p[1], p[2] + p[3]) > engine.max_model_len:
+            result = f"skipped: beyond the {engine.max_model_len}-token context"
+        else:
+            try:
+                out, result = measure(engine, p, repeats)
+                shapes.append(StepShape.of(out))
+                seconds.append(result)
+            except ValueError as e:  # the pool is too small for it
+                result = f"skipped: {e}"
+        if report is not None:
+            report(i, p, result)
+    return shapes, seconds
+
+
+def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
+    """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
+    from tokenmill.core.step_cost import CalibratedCost
+
+    shapes, seconds = time_points(engine, points, repeats)
     if len(shapes) < 2:
         raise ValueError("too few calibration steps fit in the KV pool to plan step times; raise "
                          "--kv-cache-memory, or give --step-cost-profile from `tokenmill profile`")
@@ -105,24 +116,20 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.core.step_cost import CalibratedCost, StepShape
+    from tokenmill.core.step_cost import CalibratedCost
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(a)))
     for layer in engine.runner.kv_caches:  # timing over a zeroed pool, not stale memory's NaNs or denormals
         for t in layer:
             t.zero_()
     points = grid(a.quick)
-    shapes, seconds = [], []
-    for i, p in enumerate(points):
-        try:
-            out, s = measure(engine, p)
-        except ValueError as e:
-            print(f"[{i + 1}/{len(points)}] skipped: {e}", flush=True)
-            continue
-        shapes.append(StepShape.of(out))
-        seconds.append(s)
-        print(f"[{i + 1}/{len(points)}] decodes {p[0]} x ctx {p[1]}, chunk {p[2]} at {p[3]}: {1000 * s:.2f} ms",
-              flush=True)
+
+    def report(i: int, p: tuple, result: float | str) -> None:
+        what = result if isinstance(result, str) else (f"decodes {p[0]} x ctx {p[1]}, chunk {p[2]} at {p[3]}: "
+                                                        f"{1000 * result:.2f} ms")
+        print(f"[{i + 1}/{len(points)}] {what}", flush=True)
+
+    shapes, seconds = time_points(engine, points, report=report)
     if len(shapes) < 8:
         raise ValueError("too few profile points fit in the KV pool; raise --kv-cache-memory")
     fit_idx = [i for i in range(len(shapes)) if i % 4 != 3]
