@@ -68,8 +68,11 @@ class FakeRunner:
     def execute(self, sched) -> ModelRunnerOutput:  # noqa: ANN001
         if self.fail is not None:
             raise self.fail
+        self.forward_s = 0.0
         if sched.scheduled:
+            t = time.perf_counter()
             time.sleep(self.delay)
+            self.forward_s = time.perf_counter() - t  # the "forward pass"
         return ModelRunnerOutput({s.request_id: [self.tokens[(s.start_pos + len(s.token_ids)) % len(self.tokens)]]
                                   for s in sched.scheduled if s.needs_logits})
 
@@ -93,6 +96,7 @@ def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: i
     core.grammars = GrammarCompiler(tok, tok.vocab_size)
     core.info = CoreInfo("fake", "fake", core.model_config, max_model_len, "float32", "none", num_blocks, block_size,
                          0, False, core.config)
+    core.weight_bytes = core.kv_bytes_per_token = 0
     core.start_loop()
     return LLMEngine.from_core(core)
 
@@ -205,6 +209,7 @@ def test_request_and_periodic_stats_log_lines(caplog):
     assert "TTFT 0." in done[0] and "TPOT 0." in done[0] and "e2e" in done[0]
     stats = [ln for ln in lines if ln.startswith("engine: ")]
     assert stats and "generation tokens/s" in stats[0] and "running" in stats[0] and "KV cache" in stats[0]
+    assert "device busy" in stats[0] and "engine CPU" in stats[0]  # the fake's sleep counts as its forward pass
 
 
 # ---- overload ------------------------------------------------------------------------------------

@@ -171,8 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quick", action="store_true", help="a smaller grid")
     add_engine_args(pr)
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
-    return p
+    from tokenmill.monitor.args import add_top_args
 
+    tp = sub.add_parser("top", help="live terminal view of a running server (tokenmill's or vLLM's /metrics)",
+                        description="Read a server's /metrics every --interval seconds and show requests running "
+                                    "and waiting, KV-cache use, tokens/s, TTFT and ITL percentiles (from the "
+                                    "histograms' deltas) and, from tokenmill, device busy and roofline use. Works "
+                                    "with any server exporting vLLM's metric names. Ctrl-C quits.")
+    add_top_args(tp)
+    tp.set_defaults(func=_lazy("tokenmill.monitor.top", "cmd_top"))
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,14 @@ from collections.abc import Sequence
 from tokenmill.bench.metrics import meets_slo_percentile, percentile_key
 from tokenmill.bench.runner import RunResult
 
+SERVER_ROWS = (("engine_idle_fraction", "Engine step-loop idle fraction:"),
+               ("device_busy_ratio", "Device busy fraction:"),
+               ("flops_utilization", "Peak FLOP/s used while busy:"),
+               ("bandwidth_utilization", "Peak bandwidth used while busy:"),
+               ("engine_cpu_utilization", "Engine CPU utilization:"),
+               ("mean_server_kv_cache_usage", "Mean KV-cache usage:"),
+               ("max_server_kv_cache_usage", "Peak KV-cache usage:"))
+
 
 def _rate(r: RunResult) -> str:
     rate = r.load.request_rate
@@ -37,8 +45,9 @@ def run_block(r: RunResult, percentiles: Sequence[float], slos: dict[str, float]
     row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"], ".2f")
     row("Peak concurrent requests:", m["max_concurrent_requests"])
     row("Total token throughput (tok/s):", m["total_token_throughput"], ".2f")
-    if "engine_idle_fraction" in m:
-        row("Engine step-loop idle fraction:", m["engine_idle_fraction"], ".2f")
+    for key, label in SERVER_ROWS:  # read from the server's /metrics during the run
+        if key in m:
+            row(label, m[key], ".2f")
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
     for name, title in titles.items():

@@ -8,14 +8,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import httpx
-
 from tqdm.auto import tqdm
 
 from tokenmill.bench.arrivals import schedule
 from tokenmill.bench.client import ApiConfig, RequestResult, make_client, send_request
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import calculate_metrics
+from tokenmill.bench.server_sampler import ServerSampler
 
 
 @dataclass
@@ -56,7 +55,8 @@ async def run_async(api: ApiConfig, requests: Sequence[SampleRequest], load: Loa
     gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = tqdm(total=len(requests), desc=api.label, unit="req", disable=not progress, leave=False)
     async with make_client(load.max_concurrency, timeout) as client:
-        busy0 = await engine_busy_seconds(api)
+        sampler = ServerSampler(api)
+        await sampler.start()
         t0 = time.perf_counter()
 
         async def one(i: int, req: SampleRequest, at: float) -> RequestResult:
@@ -73,31 +73,11 @@ async def run_async(api: ApiConfig, requests: Sequence[SampleRequest], load: Loa
 
         results = await asyncio.gather(*(one(i, r, float(t)) for i, (r, t) in enumerate(zip(requests, times))))
         duration = time.perf_counter() - t0
-        busy1 = await engine_busy_seconds(api)
+        server = await sampler.stop()
     bar.close()
     metrics = calculate_metrics(results, duration, slos, percentiles)
-    if busy0 is not None and busy1 is not None:
-        metrics["engine_idle_fraction"] = max(0.0, 1.0 - (busy1 - busy0) / duration)
+    metrics.update(server)
     return RunResult(api.label, load, list(results), duration, metrics)
-
-
-async def engine_busy_seconds(api: ApiConfig) -> float | None:
-    """A tokenmill server's tokenmill:engine_busy_seconds_total from its /metrics (None from other servers):
-    over a run, 1 - its increase / the run's duration is the engine step loop's idle fraction."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = api.base_url.rstrip("/").removesuffix("/v1") + "/metrics"
-    try:
-        async with httpx.AsyncClient(timeout=10) as client:  # its own: the run's pool may be all in use
-            r = await client.get(url)
-        if r.status_code != 200:
-            return None
-        for family in text_string_to_metric_families(r.text):
-            if family.name == "tokenmill:engine_busy_seconds":
-                return sum(s.value for s in family.samples if s.name.endswith("_total"))
-    except Exception:  # noqa: BLE001 - not a tokenmill server, or no /metrics: the figure is left out
-        return None
-    return None
 
 
 def run(api: ApiConfig, requests: Sequence[SampleRequest], load: LoadSpec, **kw) -> RunResult:

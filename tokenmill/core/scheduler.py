@@ -140,6 +140,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.draft_s = 0.0
         self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
         self.clock = time.perf_counter  # tests substitute a fake clock
 
@@ -188,6 +189,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        self.draft_s = 0.0  # seconds the drafter ran in this call (engine/utilization.py)
         now = self.clock()
         self.waiting.promote_starved(now)
         self.waiting.order_running(self.running)
@@ -293,7 +295,9 @@ class Scheduler:
         """Ask the drafter for every drafting request at once (a draft model batches its passes) and
         schedule each with its drafts; returns the reserved budget the drafter did not use."""
         tables = self.kv_cache.block_tables
+        t = time.perf_counter()
         proposals = self.proposer.propose_batch([(req, room, tables[req.request_id]) for req, room in drafting])
+        self.draft_s += time.perf_counter() - t
         unused = 0
         for (req, room), (drafts, probs) in zip(drafting, proposals):
             drafts = list(drafts)[:room]

@@ -16,12 +16,14 @@ from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
 from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
+from tokenmill.engine.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.layers.kernels import cpu_kernels  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.registry import resolve_model  # noqa: E402
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
 from tokenmill.request import Request, RequestStatus  # noqa: E402
+from tokenmill.sim.cost import step_bytes, step_flops  # noqa: E402
 from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
 from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
 from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel  # noqa: E402
@@ -35,6 +37,14 @@ logger = logging.getLogger("tokenmill")
 SWAP_DEVICES = ("cuda",)
 # The failure tests' hook: the model runner raises at this step of the engine core (1-based).
 FAULT_ENV = "TOKENMILL_FAULT_AT_STEP"
+
+
+def _device_uuid(device: torch.device) -> str | None:
+    """A GPU's UUID as NVML spells it ("GPU-..."), or None."""
+    if device.type != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return None if uuid is None else f"GPU-{uuid}"
 
 
 class InjectedFault(RuntimeError):
@@ -142,9 +152,13 @@ class EngineCore:
         if config.scheduler.plans_steps:
             self.scheduler.planner = SLOPlanner(config.scheduler, self._step_cost(config))
             phase("step cost")
+        self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
+        roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."))
+        phase("roofline")
         self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
                              str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
-                             cache.block_size, self.kv_bytes_per_token, proposer is not None, config)
+                             cache.block_size, self.kv_bytes_per_token, proposer is not None, config,
+                             str(self.device), _device_uuid(self.device), roofline)
         logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
@@ -261,6 +275,10 @@ class EngineCore:
                          self.scheduler.num_preemptions, self._busy, num_added=self._num_added,
                          forecast=self.scheduler.planner.forecast(self.scheduler))
 
+    def request_progress(self) -> list[tuple[str, str, int]]:
+        """(request id, status, tokens whose KV is computed) of every request in the scheduler."""
+        return [(rid, r.status.value, r.num_computed_tokens) for rid, r in self.scheduler.requests.items()]
+
     def check_invariants(self) -> str | None:
         """What is wrong with the KV cache's bookkeeping, or None."""
         try:
@@ -277,9 +295,10 @@ class EngineCore:
         pc = self.kv_cache.stats
         queries, hits = pc.queries, pc.hits
         sched = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         planner = self.scheduler.planner
-        shape = StepShape.of(sched) if planner.predicts and sched.scheduled else None
-        predicted = planner.predict(shape) if shape is not None else None
+        shape = StepShape.of(sched) if sched.scheduled else None
+        predicted = planner.predict(shape) if shape is not None and planner.predicts else None
         if self._steps == self._fault_step:  # as a forward pass failing: after blocks were handed out
             raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
         result = self.runner.execute(sched)
@@ -289,7 +308,7 @@ class EngineCore:
         outputs = [self._output(req, result) for req in updated + finished]
         duration = time.perf_counter() - start
         self._busy += duration
-        if shape is not None:
+        if shape is not None and planner.predicts:
             planner.observe(shape, duration)
         stats = StepStats(
             start, duration, sched.num_prefill_tokens, sched.num_decode_tokens,
@@ -299,7 +318,11 @@ class EngineCore:
             step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
             if self.scheduler.proposer is not None else None,
             predicted, getattr(planner, "last_budget", None), getattr(planner, "last_batch_target", None),
-            planner.tracker.ratio if shape is not None else None,
+            planner.tracker.ratio if predicted is not None else None,
+            schedule_s=scheduled - start - self.scheduler.draft_s, draft_s=self.scheduler.draft_s,
+            forward_s=getattr(self.runner, "forward_s", 0.0), sample_s=getattr(self.runner, "sample_s", 0.0),
+            flops=step_flops(self.model_config, shape) if shape is not None else 0.0,
+            bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
         )
         return CoreStep(outputs, stats, self.state())
 

@@ -40,6 +40,7 @@ from tokenmill.engine.messages import (
     CoreReady,
     CoreState,
     CoreStep,
+    ReportRequests,
     Shutdown,
     from_core_decoder,
     from_core_encoder,
@@ -112,6 +113,9 @@ class CoreProcessClient:
 
     def check_invariants(self) -> None:
         self._send(CheckInvariants())
+
+    def report_requests(self) -> None:
+        self._send(ReportRequests())
 
     def _send(self, msg) -> None:  # noqa: ANN001
         with self._lock:
@@ -265,6 +269,11 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
             elif isinstance(msg, CheckInvariants):
                 state = core.state()
                 state.invariants_checked, state.invariant_error = True, core.check_invariants()
+                send(CoreStep([], None, state))
+                changed = False
+            elif isinstance(msg, ReportRequests):
+                state = core.state()
+                state.requests = core.request_progress()
                 send(CoreStep([], None, state))
                 changed = False
         if core.has_unfinished():

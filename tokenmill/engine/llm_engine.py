@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -80,6 +81,12 @@ class LLMEngine:
         self._added_since_state = 0  # sequences sent since the last state (the waiting count's lag)
         self.num_sent = 0  # sequences sent to the core since it started (CoreState.num_added catches up)
         self._ids = itertools.count()
+        self._progress: dict[str, tuple[str, int]] = {}  # a core process's last ReportRequests answer
+
+    @property
+    def core_pid(self) -> int:
+        """The process the engine core runs in (this one, or its own)."""
+        return self.core.process.pid if self._remote else os.getpid()
 
     @property
     def speculative(self) -> bool:
@@ -231,6 +238,32 @@ class LLMEngine:
         if ended:
             self.core.abort(AbortRequests(ended, status.value))
 
+    def request_table(self) -> list[dict]:
+        """Every unfinished sequence: its id, state (waiting, prefill, decode, preempted), tokens computed
+        (KV in the cache) of its total so far, prompt and output tokens, max tokens and arrival time. With
+        the core in this process, as of now; in another, as of the core's answer to the last call (each call
+        asks again), or what this side knows where the core has not answered yet."""
+        if self._remote:
+            self.core.report_requests()
+            progress = self._progress
+        else:
+            progress = {rid: (r.status.value, r.num_computed_tokens) for rid, r in self.core.scheduler.requests.items()}
+        rows = []
+        for rid, req in self._sequences.items():
+            prompt, output = len(req.prompt_token_ids), len(req.output_token_ids)
+            status, computed = progress.get(rid, (None, None))
+            if status is None:  # not reported yet: what this side saw
+                status = "running" if output else "waiting"
+                computed = prompt + output - 1 if output else 0
+            if status == "running":
+                state = "prefill" if computed < prompt else "decode"
+            else:
+                state = "preempted" if status == "preempted" or output else "waiting"
+            rows.append({"id": rid, "state": state, "computed_tokens": computed, "total_tokens": prompt + output,
+                         "prompt_tokens": prompt, "output_tokens": output, "max_tokens": req.max_tokens,
+                         "arrival_time": req.timings.arrival})
+        return rows
+
     # ---- the step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -243,6 +276,8 @@ class LLMEngine:
 
     def _apply(self, core_step: CoreStep) -> list:
         self._state = core_step.state
+        if core_step.state.requests is not None:
+            self._progress = {rid: (status, computed) for rid, status, computed in core_step.state.requests}
         self._added_since_state = 0
         if core_step.stats is not None:
             self.step_stats.append(core_step.stats)

@@ -16,6 +16,7 @@ import msgspec
 
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.core.step_planner import Forecast
+from tokenmill.engine.roofline import Roofline
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.stats import SpecStepStats
 
@@ -42,6 +43,14 @@ class StepStats:
     token_budget: int | None = None
     batch_target: int | None = None
     cost_ratio: float | None = None  # observed over the cost model's step times, recently (it corrects plans)
+    # where the duration went (engine/utilization.py): scheduling (with drafting apart), the forward pass,
+    # sampling; the rest is applying the outputs
+    schedule_s: float = 0.0
+    draft_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    flops: float = 0.0  # the step's model FLOPs and memory traffic, by the roofline formulas (sim/cost.py)
+    bytes: float = 0.0
 
 
 # ---- front end -> core ----------------------------------------------------------------
@@ -72,7 +81,12 @@ class CheckInvariants(msgspec.Struct, tag="check"):
     """Ask the core to check its KV cache's invariants; the answer is the next CoreStep's state."""
 
 
-ToCore = AddRequest | AbortRequests | Shutdown | CheckInvariants
+class ReportRequests(msgspec.Struct, tag="report"):
+    """Ask the core where each of its requests stands (the dashboard's table); the answer is the next
+    CoreStep's state.requests."""
+
+
+ToCore = AddRequest | AbortRequests | Shutdown | CheckInvariants | ReportRequests
 
 
 # ---- core -> front end ----------------------------------------------------------------
@@ -107,6 +121,8 @@ class CoreState(msgspec.Struct, omit_defaults=True):
     invariants_checked: bool = False
     forecast: Forecast | None = None  # with a latency target: what admission predicts TTFT from
     num_added: int = 0  # sequences the core has added since it started (the forecast includes them)
+    # after ReportRequests: (request id, RequestStatus value, tokens whose KV is computed) of each request
+    requests: list[tuple[str, str, int]] | None = None
 
 
 class CoreStep(msgspec.Struct, tag="step", omit_defaults=True):
@@ -130,6 +146,9 @@ class CoreInfo:
     kv_bytes_per_token: int
     speculative: bool = False
     config: EngineConfig = field(default_factory=EngineConfig)
+    device: str = "cpu"  # the torch device the model runs on
+    device_uuid: str | None = None  # a GPU's UUID (NVML finds it by that)
+    roofline: Roofline | None = None  # the device's peak FLOP/s and bandwidth
 
 
 def plain_info(info: CoreInfo) -> CoreInfo:

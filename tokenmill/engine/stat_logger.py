@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.engine.messages import StepStats
+from tokenmill.engine.utilization import ProcessCpu
 from tokenmill.outputs import RequestOutput
 
 request_logger = logging.getLogger("tokenmill.requests")
@@ -24,6 +25,8 @@ class LoggingStatLogger:
         self.snapshot, self.interval, self.log_requests = snapshot, interval, log_requests
         self.prefix_caching = engine.config.cache.enable_prefix_caching
         self.speculative = engine.speculative
+        self.roofline = getattr(engine.info, "roofline", None)
+        self.cpu = ProcessCpu(lambda: engine.core_pid)
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
@@ -34,6 +37,8 @@ class LoggingStatLogger:
         self.shed: dict[str, int] = {}  # admission refusals (and predicted misses) by reason
         self.predicted = self.observed = 0.0  # step seconds, where a latency target plans them
         self.last: StepStats | None = None
+        self.device_s = self.flops = self.bytes = 0.0  # utilization (engine/utilization.py)
+        self.cpu_start = self.cpu.seconds()
 
     # ---- EngineObserver --------------------------------------------------------------
 
@@ -56,7 +61,11 @@ class LoggingStatLogger:
             self.last = stats
         if not (self.prompt or self.gen or self.finished or self.queries or self.drafts):
             self.start = stats.start_time  # intervals count busy time: an idle gap starts a new one
+            self.cpu_start = self.cpu.seconds()
         self.queries += stats.prefix_cache_queries
+        self.device_s += stats.forward_s + stats.draft_s
+        self.flops += stats.flops
+        self.bytes += stats.bytes
         self.hits += stats.prefix_cache_hits
         if stats.spec is not None:
             self.drafts += stats.spec.num_drafts
@@ -70,7 +79,7 @@ class LoggingStatLogger:
                 "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
                 self.prompt / dt, self.gen / dt, self.finished, s.num_running, s.num_waiting,
                 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks, s.num_preemptions,
-                self._prefix_text() + self._spec_text() + self._plan_text())
+                self._prefix_text() + self._spec_text() + self._plan_text() + self._device_text(dt))
             self._reset(now)
 
     def _spec_text(self) -> str:
@@ -91,6 +100,19 @@ class LoggingStatLogger:
         if self.shed:
             parts.append("admission: " + ", ".join(f"{n} {why}" for why, n in sorted(self.shed.items())))
         return "".join(f"; {p}" for p in parts)
+
+    def _device_text(self, dt: float) -> str:
+        """The device's busy share of the interval, the fraction of its roofline the model used while busy,
+        and the engine process's CPU use."""
+        parts = [f"device busy {100 * self.device_s / dt:.0f}%"]
+        roof = self.roofline
+        if roof is not None and self.device_s:
+            parts.append(f"{100 * self.flops / self.device_s / roof.peak_flops:.0f}% of peak FLOP/s and "
+                         f"{100 * self.bytes / self.device_s / roof.peak_bandwidth:.0f}% of peak bandwidth while busy")
+        cpu = self.cpu.seconds() - self.cpu_start
+        if cpu == cpu:
+            parts.append(f"engine CPU {100 * cpu / dt / self.cpu.num_cpus:.0f}% of {self.cpu.num_cpus}")
+        return "; " + ", ".join(parts)
 
     def _prefix_text(self) -> str:
         if not self.prefix_caching:

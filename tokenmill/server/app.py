@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /version. Every error is an OpenAI error object
+GET /metrics, GET /version, GET /dashboard (server/dashboard.py). Every error is an OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad input, 401 without
 the API key, 503 when overloaded or draining, 500 when the engine loop died.
 """
@@ -19,8 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.utilization import Nvml, ProcessCpu, UtilizationMeter
+from tokenmill.monitor.history import MetricsHistory
 from tokenmill.server.chat import ChatMixin
 from tokenmill.server.completions import CompletionsMixin
+from tokenmill.server.dashboard import add_dashboard, sampling
 from tokenmill.server.logprobs import LogprobsMixin
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -40,15 +43,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     """The FastAPI app. Its lifespan starts ``engine`` (if needed) and shuts it down at exit."""
     config = config or ServerConfig()
     serving = OpenAIServing(engine, config)
-    metrics = ServerMetrics(serving.model_name, lambda: engine.snapshot, serving.max_model_len)
+    info = engine.engine.info
+    meter = UtilizationMeter(info.roofline, ProcessCpu(lambda: engine.engine.core_pid))
+    metrics = ServerMetrics(serving.model_name, lambda: engine.snapshot, serving.max_model_len, utilization=meter,
+                            nvml=Nvml(info.device, info.device_uuid))
     engine.observers.append(metrics)
+
+    history = MetricsHistory(metrics.registry.collect) if config.dashboard else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         engine.start()
         logger.info("serving %s (context %d tokens)", serving.model_name, serving.max_model_len)
         try:
-            yield
+            async with sampling(history):
+                yield
         finally:
             await asyncio.to_thread(engine.shutdown, 30.0)
             if metrics in engine.observers:
@@ -58,6 +67,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.history = history
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -117,6 +127,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if history is not None:
+        add_dashboard(app, engine, history, serving.model_name)
 
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, timeout=config.request_body_timeout)
     if config.api_key:

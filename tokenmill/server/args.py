@@ -54,6 +54,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "tool_choice required or a named function constrains the output instead")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is always on when a request has tools")
+    g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve a live dashboard at /dashboard (charts of the last ten minutes: requests, KV cache, "
+                        "TTFT/ITL percentiles, tokens/s, device busy and roofline use; the in-flight requests), "
+                        "fed by the metrics read once a second; same auth as the API, a browser sends the key as "
+                        "the Basic auth password (default on; --no-dashboard turns both off)")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")

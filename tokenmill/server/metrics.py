@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from tokenmill.engine.async_engine import EngineSnapshot
 from tokenmill.engine.messages import StepStats
+from tokenmill.engine.utilization import PHASES, Nvml, UtilizationMeter
 from tokenmill.outputs import RequestOutput
 
 # vLLM's buckets
@@ -41,9 +43,13 @@ class ServerMetrics:
     """The /metrics collectors; an EngineObserver (its on_* methods run on the engine thread)."""
 
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], max_model_len: int = 2048,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, utilization: UtilizationMeter | None = None,
+                 nvml: Nvml | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         reg, labels = self.registry, ["model_name"]
+        self.utilization = utilization
+        if utilization is not None:
+            reg.register(UtilizationCollector(model_name, utilization, nvml))
 
         def hist(name: str, doc: str, buckets: list[float]):
             return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
@@ -98,6 +104,9 @@ class ServerMetrics:
                                      [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
         # time the engine core spent in steps: 1 - its rate is the step loop's idle fraction
         self.engine_busy = counter("tokenmill:engine_busy_seconds", "Seconds the engine core spent running steps.")
+        self.forward_fraction = hist("tokenmill:step_forward_fraction", "Per step, the fraction of its time spent "
+                                     "running the model (the forward pass and drafting).",
+                                     [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99])
         # SLO-aware scheduling (core/step_planner.py): admission outcomes and the planner's targets
         self._admission = Counter("tokenmill:requests_shed", "Requests refused at admission, by reason: ttft_slo "
                                   "(predicted TTFT past its SLO) or queue_full (--max-waiting-requests).",
@@ -141,6 +150,10 @@ class ServerMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.engine_busy.inc(stats.duration)
+        if self.utilization is not None:
+            self.utilization.on_step(stats)
+        if stats.duration > 0:
+            self.forward_fraction.observe(min(1.0, (stats.forward_s + stats.draft_s) / stats.duration))
         if stats.predicted_duration is not None:
             self.step_predicted.set(stats.predicted_duration)
             self.step_observed.set(stats.duration)
@@ -188,3 +201,81 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class UtilizationCollector:
+    """The device-utilization families, from one reading of the meter per scrape (engine/utilization.py):
+    counters of the engine's time by step phase, of its process's CPU time and of its model FLOPs and
+    bytes; gauges of their fractions over the meter's window, against the device's roofline; NVML's
+    GPU utilization and memory where there is a GPU to ask (tokenmill:device_info says why not)."""
+
+    def __init__(self, model_name: str, meter: UtilizationMeter, nvml: Nvml | None) -> None:
+        self.model_name, self.meter, self.nvml = model_name, meter, nvml
+
+    def collect(self):
+        m, name = self.meter, self.model_name
+        w = m.recent()
+        window = f"over the last {m.window:g} s"
+
+        def family(kind, metric: str, doc: str, value: float | None = None, **extra):
+            f = kind(metric, doc, labels=["model_name", *extra])
+            if value is not None:
+                f.add_metric([name], value)
+            return f
+
+        phases = family(CounterMetricFamily, "tokenmill:engine_phase_seconds", "Seconds the engine core spent "
+                        "in each step phase: schedule, draft (speculative drafting), forward (the model), sample, "
+                        "other (applying the outputs).", phase=True)
+        for p in PHASES:
+            phases.add_metric([name, p], m.phase_seconds[p])
+        yield phases
+        fractions = family(GaugeMetricFamily, "tokenmill:engine_time_fraction", f"Fraction of wall time {window} "
+                           "the engine core spent in each step phase, and idle.", phase=True)
+        for p, v in w.fractions.items():
+            fractions.add_metric([name, p], v)
+        yield fractions
+        yield family(GaugeMetricFamily, "tokenmill:device_busy_ratio", f"Fraction of wall time {window} the "
+                     "device spent running the model (forward passes and drafting).", w.device_busy)
+        cpu = m.cpu_seconds()
+        if cpu is not None and cpu == cpu:
+            yield family(CounterMetricFamily, "tokenmill:engine_cpu_seconds", "CPU seconds (user and system) of "
+                         "the engine core's process.", cpu)
+            yield family(GaugeMetricFamily, "tokenmill:engine_cpus", "CPUs the engine core's process may run on.",
+                         m.cpu.num_cpus)
+            yield family(GaugeMetricFamily, "tokenmill:engine_cpu_utilization", f"The engine core process's CPU "
+                         f"time {window} over the wall time times its CPUs.", w.cpu_utilization)
+        yield family(CounterMetricFamily, "tokenmill:model_flops", "Model FLOPs of the steps run (linear layers, "
+                     "output head, attention).", m.flops)
+        yield family(CounterMetricFamily, "tokenmill:model_bytes", "Bytes the steps moved to and from memory "
+                     "(weights once a step, KV context read, new KV written).", m.bytes)
+        yield family(GaugeMetricFamily, "tokenmill:achieved_flops_per_second", f"Model FLOP/s while running the "
+                     f"model, {window}.", w.achieved_flops)
+        yield family(GaugeMetricFamily, "tokenmill:achieved_bytes_per_second", f"Memory bytes/s while running "
+                     f"the model, {window}.", w.achieved_bandwidth)
+        roof = m.roofline
+        if roof is not None:
+            yield family(GaugeMetricFamily, "tokenmill:device_peak_flops_per_second", "The device's peak FLOP/s "
+                         "(see tokenmill:device_info's roofline_source).", roof.peak_flops)
+            yield family(GaugeMetricFamily, "tokenmill:device_peak_bytes_per_second", "The device's peak memory "
+                         "bandwidth.", roof.peak_bandwidth)
+            yield family(GaugeMetricFamily, "tokenmill:flops_utilization", f"Achieved over peak FLOP/s while "
+                         f"running the model, {window} (MFU).", w.achieved_flops / roof.peak_flops)
+            yield family(GaugeMetricFamily, "tokenmill:bandwidth_utilization", f"Achieved over peak memory "
+                         f"bandwidth while running the model, {window}.", w.achieved_bandwidth / roof.peak_bandwidth)
+        gpu = self.nvml.read() if self.nvml is not None else None
+        info = {"device": roof.device if roof is not None else "unknown",
+                "roofline_source": roof.source if roof is not None else "none",
+                "nvml": "available" if gpu is not None else (self.nvml.why if self.nvml is not None else "not asked")}
+        dev = InfoMetricFamily("tokenmill:device", "The device the engine runs on, where its roofline comes from "
+                               "and whether NVML reports on it (the gpu_* metrics exist only where it does).",
+                               labels=["model_name"])
+        dev.add_metric([name], info)
+        yield dev
+        if gpu is not None:
+            util, used, total = gpu
+            yield family(GaugeMetricFamily, "tokenmill:gpu_utilization_ratio", "NVML's GPU utilization: the "
+                         "fraction of its last sample period a kernel ran.", util)
+            yield family(GaugeMetricFamily, "tokenmill:gpu_memory_used_bytes", "NVML's GPU memory in use (all "
+                         "processes).", used)
+            yield family(GaugeMetricFamily, "tokenmill:gpu_memory_total_bytes", "NVML's GPU memory in total.",
+                         total)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hmac
 
 from fastapi.exceptions import HTTPException
@@ -25,11 +27,25 @@ OPEN_PATHS = frozenset({"/health"})
 
 class AuthMiddleware:
     """Every route but /health needs ``Authorization: Bearer <api_key>``, compared in constant time
-    (HTTP paths the app does not have get the same 401: nothing about the routes leaks without it)."""
+    (HTTP paths the app does not have get the same 401: nothing about the routes leaks without it). A
+    browser cannot send a bearer token when it opens a page, so the key is also taken as HTTP Basic
+    auth's password (any user name), and /dashboard's 401 asks the browser for it."""
 
     def __init__(self, app, api_key: str) -> None:  # noqa: ANN001
         self.app = app
         self._key = api_key.encode()
+
+    def _authorized(self, given: bytes) -> bool:
+        scheme, _, token = given.partition(b" ")
+        scheme, token = scheme.lower(), token.strip()
+        if scheme == b"basic":
+            try:
+                token = base64.b64decode(token, validate=True).partition(b":")[2]
+            except (binascii.Error, ValueError):
+                return False
+        elif scheme != b"bearer":
+            return False
+        return hmac.compare_digest(token, self._key)
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
@@ -38,11 +54,12 @@ class AuthMiddleware:
                 if k == b"authorization":
                     given = v
                     break
-            scheme, _, token = given.partition(b" ")
-            ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
-            if not ok:
-                await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            if not self._authorized(given):
+                page = scope["path"].startswith("/dashboard")
+                challenge = b'Basic realm="tokenmill", charset="UTF-8"' if page else b"Bearer"
+                await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                                  + (" or the key as the Basic auth password" if page else ""),
+                                  "invalid_api_key", [(b"www-authenticate", challenge)])
                 return
         await self.app(scope, receive, send)
 

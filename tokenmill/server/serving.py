@@ -42,6 +42,7 @@ class ServerConfig:
     # the engine died: exit (status 1) this long after, once the failed requests got their errors
     exit_on_engine_death: bool = False
     restart_engine_core: bool = False  # instead: start a fresh engine core process and keep serving
+    dashboard: bool = True  # /dashboard and the metrics history behind it (server/dashboard.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n:

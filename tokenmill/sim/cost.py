@@ -30,6 +30,18 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> float:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
 
 
+def step_flops(cfg: ModelConfig, s: StepShape) -> float:
+    """The step's model FLOPs: linear layers over its tokens, the head over its sampled rows, attention over
+    each token's context."""
+    return (2 * s.tokens * cfg.num_layers * layer_params(cfg) + 2 * s.sampled * cfg.hidden_size * cfg.vocab_size
+            + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s.attention_context)
+
+
+def step_bytes(weight_bytes: float, kv_token_bytes: float, s: StepShape) -> float:
+    """The step's memory traffic: the weights once, each request's KV context once, the new tokens' KV."""
+    return weight_bytes + (s.kv_read_tokens + s.tokens) * kv_token_bytes
+
+
 class RooflineCost:
     def __init__(self, cfg: ModelConfig, hw: HardwareProfile, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                  compute_dtype: str = "bf16", tensor_parallel_size: int = 1) -> None:
@@ -47,12 +59,10 @@ class RooflineCost:
         self.act_bytes = DTYPE_BYTES[compute_dtype]
 
     def flops(self, s: StepShape) -> float:
-        c = self.cfg
-        return (2 * s.tokens * c.num_layers * layer_params(c) + 2 * s.sampled * c.hidden_size * c.vocab_size
-                + 4 * c.num_layers * c.num_heads * c.head_dim * s.attention_context)
+        return step_flops(self.cfg, s)
 
     def bytes(self, s: StepShape) -> float:
-        return self.weight_bytes + (s.kv_read_tokens + s.tokens) * self.kv_token_bytes
+        return step_bytes(self.weight_bytes, self.kv_token_bytes, s)
 
     def allreduce_seconds(self, s: StepShape) -> float:
         if self.tp == 1:

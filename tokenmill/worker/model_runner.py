@@ -120,6 +120,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.forward_s = self.sample_s = 0.0  # this step's phases (engine/utilization.py)
         for rid in sched.finished_request_ids:
             self.states.pop(rid, None)
             self.swapped.pop(rid, None)
@@ -133,6 +134,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
 
         # Decodes first, then prefill chunks: attention batches the decode block as one call.
+        t0 = time.perf_counter()
         decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
         order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
         input_ids, pos_t, meta = self._inputs(order)
@@ -151,6 +153,17 @@ class ModelRunner:
                 sample_reqs.append(s)
         logits_idx = torch.tensor(sample_rows + [r for _, r, _ in prompt_rows], dtype=torch.long, device=self.device)
         logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
+        if self.device.type == "cuda":  # the kernels are queued: wait for them, or sampling's wait counts them
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        self.forward_s = t1 - t0
+        try:
+            return self._sample_step(logits, sample_reqs, prompt_rows, sample_rows)
+        finally:
+            self.sample_s = time.perf_counter() - t1
+
+    def _sample_step(self, logits: torch.Tensor, sample_reqs: list, prompt_rows: list,
+                     sample_rows: list) -> ModelRunnerOutput:
         if prompt_rows:
             self._record_prompt_logprobs(logits[len(sample_rows):], prompt_rows)
             logits = logits[: len(sample_rows)]
