@@ -47,6 +47,10 @@ def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
         assert r["prompt_tokens"] in (r["prompt_len"], r["prompt_len"] + 1)  # the server may add a BOS token
         assert 0 < r["ttft_s"] < r["e2el_s"] and len(r["chunk_times_s"]) >= 2
     assert run["request_goodput"] == pytest.approx(run["request_throughput"])
+    # read from the server's /metrics during the run
+    assert 0 < run["device_busy_ratio"] <= 1 and 0 <= run["engine_idle_fraction"] < 1
+    assert 0 < run["flops_utilization"] < 1 and run["max_server_running"] >= 0  # sampled once a second
+    assert "Device busy fraction:" in text
     # The server saw the benchmark: 6 requests plus the readiness probe, 8 tokens each (probe: 8 too).
     ok = [line for line in metrics.splitlines()
           if line.startswith("vllm:request_success_total") and 'finished_reason="length"' in line]

@@ -71,6 +71,17 @@ def test_core_process_gives_the_in_process_outputs(llm_default):
         remote.add_request("Tell me a long story.", SamplingParams(max_tokens=200, temperature=0, ignore_eos=True), "long")
         while not remote.step():
             pass
+        # the dashboard's table from the other process: asked for, answered with the next message
+        assert remote.request_table()[0]["id"] == "long"  # before the answer: what this side knows
+        deadline = time.monotonic() + 10
+        while not remote._progress and time.monotonic() < deadline:
+            remote.step()
+        row = remote.request_table()[0]
+        assert row["state"] == "decode" and row["computed_tokens"] >= row["prompt_tokens"] > 0
+        # the step's phases, FLOPs and bytes and the device's roofline cross the wire too
+        stats = remote.step_stats[-1]
+        assert stats.forward_s > 0 and stats.flops > 0 and stats.bytes > 0
+        assert remote.info.roofline.peak_flops > 0 and remote.core_pid == remote.core.process.pid
         out = remote.abort_request("long")
         assert out.finished and out.outputs[0].finish_reason == "abort"
         remote.check_invariants()

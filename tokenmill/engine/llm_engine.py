@@ -247,7 +247,7 @@ class LLMEngine:
             self.core.report_requests()
             progress = self._progress
         else:
-            progress = {rid: (r.status.value, r.num_computed_tokens) for rid, r in self.core.scheduler.requests.items()}
+            progress = {rid: (status, computed) for rid, status, computed in self.core.request_progress()}
         rows = []
         for rid, req in self._sequences.items():
             prompt, output = len(req.prompt_token_ids), len(req.output_token_ids)
