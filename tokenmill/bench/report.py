@@ -99,7 +99,8 @@ COMPARED = (("request_throughput", "req/s", ".2f"), ("output_throughput", "out t
             ("median_ttft_ms", "p50 TTFT ms", ".0f"), ("p99_ttft_ms", "p99 TTFT ms", ".0f"),
             ("median_tpot_ms", "p50 TPOT ms", ".1f"), ("p99_tpot_ms", "p99 TPOT ms", ".1f"),
             ("p99_itl_ms", "p99 ITL ms", ".1f"), ("median_e2el_ms", "p50 E2EL ms", ".0f"),
-            ("request_goodput", "goodput req/s", ".2f"), ("engine_idle_fraction", "engine idle", ".2f"))
+            ("request_goodput", "goodput req/s", ".2f"), ("engine_idle_fraction", "engine idle", ".2f"),
+            ("device_busy_ratio", "device busy", ".2f"))
 
 
 def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], over: str) -> str:
