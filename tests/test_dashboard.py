@@ -305,15 +305,17 @@ class ScriptedVllm(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_top_reads_a_vllm_server(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+@pytest.fixture()
+def vllm_url():
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ScriptedVllm)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        assert main(["top", url + "/v1", "--once", "--interval", "0.5"]) == 0
-    finally:
-        srv.shutdown()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_top_reads_a_vllm_server(vllm_url, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["top", vllm_url + "/v1", "--once", "--interval", "0.5"]) == 0
     out = capsys.readouterr().out
     # two readings 0.5 s apart, 100 tokens between them: about 200 tokens/s (the scrape times add a little)
     gen = float(out.split("generation tokens/s")[1].split()[0])
@@ -322,12 +324,6 @@ def test_top_reads_a_vllm_server(capsys, monkeypatch):
     assert "device busy" not in out  # vLLM does not export it: top leaves the row out
 
 
-def test_top_says_what_is_wrong_with_a_server_it_cannot_read(capsys):
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ScriptedVllm)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{srv.server_address[1]}"
-        assert main(["top", url + "/nothing/metrics", "--once", "--interval", "0.1"]) == 1
-    finally:
-        srv.shutdown()
+def test_top_says_what_is_wrong_with_a_server_it_cannot_read(vllm_url, capsys):
+    assert main(["top", vllm_url + "/nothing/metrics", "--once", "--interval", "0.1"]) == 1
     assert "answered HTTP 404" in capsys.readouterr().err
