@@ -321,7 +321,7 @@ def test_quantization_auto_keeps_a_quantized_files_blocks(gguf_built, hf_built, 
     assert resolve_quantization("auto", reader, torch.device("cuda"), torch.float32) == "none"
     assert resolve_quantization("auto", None, cpu, torch.float32) == "none"  # a Hugging Face folder
     for case in ("llama-f32", "llama-quantized"):  # float, and a mix with F16/BF16 layers
-        assert not gguf_loader.gguf_layers_all_kept(gguf_loader.open_gguf(gguf_built(case)[1]))
+        assert not gguf_loader.gguf_layers_quantized(gguf_loader.open_gguf(gguf_built(case)[1]))
         assert LLM(str(gguf_built(case)[1]), dtype="float32", kv_cache_memory="16MiB").engine.quantization == "none"
     _, folder, _ = hf_built("llama-gqa")
     assert LLM(str(folder), dtype="float32", kv_cache_memory="16MiB").engine.quantization == "none"
@@ -403,8 +403,10 @@ ERROR_CASES = {
                               r"lacks the metadata key llama\.block_count"),
     "gguf-no-tokenizer": (lambda tmp, g, h, m: _gguf_variant(tmp, m, tokenizer=False, vocab_size=False),
                           r"tokenizer"),
-    "gguf-unsupported-type": (lambda tmp, g, h, m: _gguf_variant(
-        tmp, m, edit=lambda t: _set(t, "blk.0.ffn_up.weight", lambda x: (x[0], T.Q5_0))), r"Q5_0.*not supported"),
+    "gguf-unsupported-type": (lambda tmp, g, h, m: _gguf_variant(  # random IQ4_NL blocks: 18 bytes per 32
+        tmp, m, edit=lambda t: _set(t, "blk.0.ffn_up.weight", lambda x: (
+            np.random.default_rng(0).integers(0, 256, (x[0].shape[0], x[0].shape[1] // 32 * 18), np.uint8),
+            T.IQ4_NL))), r"IQ4_NL, not supported \(supported: .*Q4_K, Q5_K, Q6_K\)"),
     "gguf-wrong-shape-q": (lambda tmp, g, h, m: _gguf_variant(
         tmp, m, edit=lambda t: _set(t, "blk.0.attn_q.weight", lambda x: (x[0][:60], x[1]))), r"attn_q.*shape"),
     "gguf-wrong-shape-up": (lambda tmp, g, h, m: _gguf_variant(

@@ -164,6 +164,47 @@ def q4_0_to_q4_1(raw: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*lead, k // QK * 20).contiguous()
 
 
+QK_K = 256  # a K-quant super-block
+
+
+def q4_k_to_q4_1(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q4_K rows as Q4_1 rows. A Q4_K super-block (fp16 d and dmin, 6-bit scale sc and min m for each
+    of its 8 sub-blocks of 32, 4-bit q; w = d sc q - dmin m) is 8 Q4_1 blocks with d' = d sc and
+    m' = -dmin m. The quants move over unchanged; d' and m' are rounded to fp16 (d sc has up to 17
+    significant bits): a relative change of at most 2^-11 in a sub-block's scale and min, 5.0 bits per
+    weight instead of 4.5. ValueError if a product overflows fp16."""
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    lead = raw.shape[:-1]
+    blk = raw.reshape(-1, 144)
+    d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
+    sc, mn = (torch.from_numpy(x.astype(np.float32)) for x in Q4_K.get_scale_min(blk[:, 4:16].numpy()))
+    scale, low = d[:, None] * sc, -dmin[:, None] * mn  # [blocks, 8], exact in float32
+    if torch.isinf(scale.to(torch.float16)).any() or torch.isinf(low.to(torch.float16)).any():
+        raise ValueError("a Q4_K scale is too large for an fp16 Q4_1 block")
+    # sub-block 2c + h is nibble h of bytes 32c .. 32c + 31; Q4_1 wants weight j low, j + 16 high in byte j
+    qs = blk[:, 16:].reshape(-1, 4, 1, 32)
+    q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
+    nib = q[..., :16] | (q[..., 16:] << 4)
+    out = torch.cat([_pack_f16(scale), _pack_f16(low), nib], dim=-1)  # [blocks, 8, 20]
+    return out.reshape(*lead, k // QK * 20).contiguous()
+
+
+def q5_0_to_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q5_0 rows (fp16 d, 32 high bits, 16 nibble bytes; w = d (q - 16)) as Q8_0 rows, exactly:
+    q - 16 is an int8 under the same d (8.5 bits per weight instead of 5.5)."""
+    lead = raw.shape[:-1]
+    blk = raw.reshape(-1, 22)
+    high = blk[:, 2:6].contiguous().view(torch.int32)  # bit j: the fifth bit of weight j
+    bits = ((high >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+    nib = blk[:, 6:]
+    low = torch.cat([nib & 0x0F, nib >> 4], dim=-1)
+    q = (low | (bits << 4)).to(torch.int16) - 16
+    out = torch.cat([blk[:, 0:2], q.to(torch.int8).view(torch.uint8)], dim=-1)
+    return out.reshape(*lead, k // QK * 34).contiguous()
+
+
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Stack the rows of same-format, same-K matrices (fusing q/k/v or gate/up)."""
     fmt, k = parts[0].fmt, parts[0].shape[1]

@@ -1,7 +1,7 @@
 """Read a GGUF file: architecture config and weights under Hugging Face names.
 
-Quantized tensors (Q4_0, Q4_1, Q8_0, ...) are dequantized with the ``gguf`` package's
-reference routines. llama.cpp's converter permutes Llama q/k weights for its interleaved
+Quantized tensors (Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K) are dequantized with the ``gguf``
+package's reference routines; ``gguf_quantized_weights`` hands the kernels the blocks they run. llama.cpp's converter permutes Llama q/k weights for its interleaved
 RoPE; we undo that so the rotate-half RoPE of the Hugging Face layout applies.
 """
 
@@ -18,7 +18,10 @@ from tokenmill.config import ModelConfig
 from tokenmill.models.gguf_reader import GGUFError, open_gguf  # noqa: F401 -- re-exported
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# Every type gguf-py dequantizes that llama.cpp's quantize recipes write for weights (the K_M/K_S mixes
+# included). IQ* (importance-matrix codebooks), TQ* and MXFP4 are refused with this list.
+SUPPORTED_TYPES = (*FLOAT_TYPES, "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -154,21 +157,25 @@ def gguf_weights(reader, cfg: ModelConfig,
         yield name, w
 
 
-KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_0"}  # --quantization gguf keeps these as they are
+# --quantization gguf runs these on their own blocks: Q8_0 and Q4_1 as they are, Q4_0 as Q4_1 and Q5_0 as
+# Q8_0 exactly, Q4_K as Q4_1 with each sub-block's scale and min rounded to fp16 (layers/quant.py). Any
+# other quantized type is dequantized and quantized to Q8_0.
+KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1", "Q5_0": "q8_0", "Q4_K": "q4_1"}
 
 
-def gguf_layers_all_kept(reader) -> bool:
-    """Whether every 2-D weight of the decoder layers is stored in a format --quantization gguf keeps
-    (a quantized file the kernels run as it is, not a float one or one in other block formats)."""
+def gguf_layers_quantized(reader) -> bool:
+    """Whether every 2-D weight of the decoder layers is stored quantized (a Q4_K_M or Q8_0 file, say, not
+    an F16 one): --quantization auto then runs the file's blocks."""
     types = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    return bool(types) and all(k in KEPT_TYPES for k in types)
+    return bool(types) and not any(k in FLOAT_TYPES for k in types)
 
 
 def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
-    """The 2-D tensors stored in Q8_0/Q4_1/Q4_0, as QuantizedTensors under their Hugging Face names
-    (Q4_0 converted to Q4_1 exactly; q/k rows un-permuted like the float path)."""
-    from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1
+    """The 2-D tensors stored in a KEPT_TYPES type, as QuantizedTensors under their Hugging Face names, in
+    the kernels' Q8_0 or Q4_1 (converted as KEPT_TYPES says; q/k rows un-permuted like the float path)."""
+    from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1, q4_k_to_q4_1, q5_0_to_q8_0
 
+    convert = {"Q4_0": q4_0_to_q4_1, "Q5_0": q5_0_to_q8_0, "Q4_K": q4_k_to_q4_1}
     out = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
@@ -177,9 +184,12 @@ def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
         raw = _file_view(t.data).reshape(n, -1)  # no copy: the kernel layout made from it is the only one
-        if kind == "Q4_0":
-            raw = q4_0_to_q4_1(raw, k)
+        if kind in convert:
+            try:
+                raw = convert[kind](raw, k)
+            except ValueError as e:
+                raise GGUFError(f"tensor {t.name}: {e}; load it with --quantization int8 or none") from None
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             raw = _undo_rope_permute(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        out[name] = QuantizedTensor(raw.contiguous(), "q8_0" if kind == "Q8_0" else "q4_1", (n, k))
+        out[name] = QuantizedTensor(raw.contiguous(), KEPT_TYPES[kind], (n, k))
     return out

@@ -11,7 +11,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
-from tokenmill.models.gguf_loader import (gguf_layers_all_kept, gguf_model_config, gguf_quantized_weights,
+from tokenmill.models.gguf_loader import (gguf_layers_quantized, gguf_model_config, gguf_quantized_weights,
                                           gguf_weights, open_gguf, release_file_pages)
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
 from tokenmill.models.llama import LlamaForCausalLM
@@ -38,7 +38,7 @@ def resolve_quantization(mode: str, reader, device: torch.device, dtype: torch.d
     if mode != "auto":
         return mode
     fast = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
-    return "gguf" if reader is not None and fast and gguf_layers_all_kept(reader) else "none"
+    return "gguf" if reader is not None and fast and gguf_layers_quantized(reader) else "none"
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
