@@ -35,9 +35,9 @@ def weight_bytes(llm: LLM) -> int:
 
 def speed(llm: LLM, rounds: int = 3) -> tuple[float, float]:
     """(decode tokens/s of one sequence over 128 tokens, prefill tokens/s of a 512-token prompt), medians."""
-    ids = list(range(1000, 1512))
     decode, prefill = [], []
-    for _ in range(rounds):
+    for r in range(rounds):
+        ids = list(range(1000 + 600 * r, 1512 + 600 * r))  # a new prompt each round: no prefix-cache hit
         t = time.perf_counter()
         llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
         prefill.append(512 / (time.perf_counter() - t))
