@@ -4,7 +4,7 @@ its steps use.
 - The engine core times each step's phases (schedule, draft, forward, sample, the rest) and counts its
   model FLOPs and bytes by the roofline formulas (sim/cost.py); StepStats carries them, CoreInfo the
   device's roofline (engine/roofline.py).
-- ``UtilizationMeter`` (an EngineObserver in the front end) sums the phases, FLOPs and bytes, and reads
+- ``UtilizationMeter`` (in the front end, fed each step by the server's metrics) sums the phases, FLOPs and bytes, and reads
   the engine process's CPU time (psutil) and, on NVIDIA GPUs, NVML's utilization and memory
   (nvidia-ml-py, where installed). ``/metrics`` exports them as counters; fractions over a window are
   gauges.
@@ -111,7 +111,7 @@ class Window:
 
 class UtilizationMeter:
     """Sums of the engine's step phases, FLOPs and bytes (for counters) and their recent steps (for the
-    windowed gauges). ``on_step`` runs on the engine thread, the readers on the server's."""
+    windowed gauges). ``on_step`` runs on the engine thread, ``recent`` on the server's."""
 
     def __init__(self, roofline: Roofline | None, cpu: ProcessCpu | None = None, window: float = WINDOW_S) -> None:
         self.roofline, self.cpu, self.window = roofline, cpu, window
@@ -121,12 +121,6 @@ class UtilizationMeter:
         self._cpu_samples: deque[tuple[float, float]] = deque()
         self._lock = threading.Lock()
         self.start = time.perf_counter()
-
-    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        pass
-
-    def on_request_finished(self, output, now: float) -> None:
-        pass
 
     def on_step(self, stats: StepStats) -> None:
         phases = step_phases(stats)
