@@ -168,3 +168,31 @@ def gguf_loader_open(path):  # noqa: ANN001, ANN201
     from tokenmill.models.gguf_loader import open_gguf
 
     return open_gguf(path)
+
+
+# ---- tokenmill inspect ----------------------------------------------------------------------------
+
+
+def test_inspect_describes_files_and_folders_from_their_headers(tmp_path, capsys):
+    import json
+
+    from tokenmill.cli import main
+    from tokenmill.layers.kernels import cpu_kernels
+
+    model, path = _kquant_model(tmp_path, "Q4_K")
+    assert main(["inspect", str(path), "--json", "--tensors"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    cfg = model.config
+    assert (d["format"], d["architecture"], d["layers"], d["hidden_size"], d["kv_heads"]) == (
+        "gguf", "llama", cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads)
+    assert d["parameters"] == sum(p.numel() for p in model.parameters())
+    assert d["tensor_types"]["Q4_K"] == 7 * cfg.num_hidden_layers and d["unsupported_types"] == []
+    assert d["quantization_auto"] == ("gguf" if cpu_kernels() is not None else "none")
+    q = next(t for t in d["tensors"] if t["name"] == "blk.0.attn_q.weight")
+    assert q["type"] == "Q4_K" and q["shape"] == [cfg.hidden_size, cfg.hidden_size]
+    folder = tm.save_hf_folder(model, tmp_path / "hf")
+    assert main(["inspect", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "hf (" in text and "F32 x" in text and "--quantization auto runs it as: none" in text
+    assert main(["inspect", str(tmp_path / "missing.gguf")]) == 2
+    assert "not an existing .gguf file" in capsys.readouterr().err

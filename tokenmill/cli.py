@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--quick", action="store_true", help="a smaller grid")
     add_engine_args(pr)
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
+    from tokenmill.models.inspect import add_inspect_args
+
+    ins = sub.add_parser("inspect", help="what a .gguf file or model folder is, from its headers",
+                         description="Describe a model without loading its weights: family, size, tensor types, "
+                                     "context length, tokenizer and chat template, and the --quantization mode "
+                                     "tokenmill would run it in on this machine.")
+    add_inspect_args(ins)
+    ins.set_defaults(func=_lazy("tokenmill.models.inspect", "cmd_inspect"))
     from tokenmill.monitor.args import add_top_args
 
     tp = sub.add_parser("top", help="live terminal view of a running server (tokenmill's or vLLM's /metrics)",

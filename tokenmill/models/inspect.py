@@ -1,0 +1,127 @@
+"""``tokenmill inspect MODEL``: what a .gguf file or Hugging Face folder is, read from its headers without
+loading the weights: family, size, tensor types, context length, tokenizer and chat template, and the
+--quantization mode tokenmill would run it in on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def describe(model: str) -> dict:
+    from tokenmill.models.registry import resolve_model
+
+    source = resolve_model(model)
+    out = {"model": source.name, "path": str(source.path), "format": source.format}
+    out.update(_gguf(source.path) if source.format == "gguf" else _hf(source.path))
+    return out
+
+
+def _auto_mode(reader) -> str:  # noqa: ANN001
+    """--quantization auto's choice for this file with the default --device and --dtype, on this machine."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.layers.kernels import cpu_kernels
+    from tokenmill.models.loader import resolve_quantization
+    from tokenmill.platform import resolve_device, resolve_dtype
+
+    device = resolve_device(EngineConfig().device)
+    dtype = resolve_dtype("auto", device, cpu_kernels=device.type == "cpu" and cpu_kernels() is not None)
+    return resolve_quantization("auto", reader, device, dtype)
+
+
+def _gguf(path: Path) -> dict:
+    from tokenmill.models.gguf_loader import SUPPORTED_TYPES, gguf_model_config, open_gguf
+
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader)
+    tensors = [(t.name, t.tensor_type.name, [int(x) for x in reversed(t.shape)], int(t.n_elements), int(t.n_bytes))
+               for t in reader.tensors]
+    field = reader.fields.get("tokenizer.ggml.model")
+    return {
+        **_config(cfg),
+        "parameters": sum(t[3] for t in tensors),
+        "bytes": path.stat().st_size,
+        "tensor_types": dict(Counter(t[1] for t in tensors).most_common()),
+        "unsupported_types": sorted({t[1] for t in tensors} - set(SUPPORTED_TYPES)),
+        "tokenizer": field.contents() if field is not None else None,
+        "chat_template": "tokenizer.chat_template" in reader.fields,
+        "quantization_auto": _auto_mode(reader),
+        "tensors": [{"name": n, "type": k, "shape": s, "bytes": b} for n, k, s, _, b in tensors],
+    }
+
+
+def _hf(folder: Path) -> dict:
+    from safetensors import safe_open
+
+    from tokenmill.models.hf_loader import hf_model_config
+
+    cfg = hf_model_config(folder)
+    tensors, size = [], 0
+    for f in sorted(folder.glob("*.safetensors")):
+        size += f.stat().st_size
+        with safe_open(str(f), "pt") as st:  # headers only
+            for name in st.keys():
+                piece = st.get_slice(name)
+                shape = list(piece.get_shape())
+                n = 1
+                for d in shape:
+                    n *= d
+                tensors.append({"name": name, "type": piece.get_dtype(), "shape": shape, "elements": n})
+    config = folder / "tokenizer_config.json"
+    template = (folder / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
+    return {
+        **_config(cfg),
+        "parameters": sum(t["elements"] for t in tensors),
+        "bytes": size,
+        "tensor_types": dict(Counter(t["type"] for t in tensors).most_common()),
+        "unsupported_types": [],
+        "tokenizer": "tokenizer.json" if (folder / "tokenizer.json").is_file() else None,
+        "chat_template": template,
+        "quantization_auto": _auto_mode(None),
+        "tensors": [{k: v for k, v in t.items() if k != "elements"} for t in tensors],
+    }
+
+
+def _config(cfg) -> dict:  # noqa: ANN001
+    return {"architecture": cfg.architecture, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size,
+            "context_length": cfg.max_position_embeddings, "tied_embeddings": cfg.tie_word_embeddings}
+
+
+def render(d: dict, tensors: bool) -> str:
+    size = f"{d['parameters'] / 1e6:.1f}M parameters, {d['bytes'] / 2**20:.1f} MiB"
+    lines = [f"{d['model']}: {d['format']} ({d['path']})",
+             f"  {d['architecture']}: {d['layers']} layers, hidden {d['hidden_size']}, {d['heads']} heads / "
+             f"{d['kv_heads']} KV heads, vocabulary {d['vocab_size']}, context {d['context_length']} tokens"
+             f"{', tied embeddings' if d['tied_embeddings'] else ''}",
+             f"  {size}; tensor types: " + ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items()),
+             f"  tokenizer: {d['tokenizer'] or 'none found'}; chat template: {'yes' if d['chat_template'] else 'no'}",
+             f"  --quantization auto runs it as: {d['quantization_auto']} (on this machine)"]
+    if d["unsupported_types"]:
+        lines.append(f"  not loadable here: tensors in {', '.join(d['unsupported_types'])}")
+    if tensors:
+        lines += [f"    {t['name']:<40} {t['type']:<6} {t['shape']}" for t in d["tensors"]]
+    return "\n".join(lines)
+
+
+def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file, a Hugging Face folder, or a known alias (default: the embedded model)")
+    p.add_argument("--tensors", action="store_true", help="list every tensor with its type and shape")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from tokenmill.models.registry import DEFAULT_MODEL
+
+    d = describe(a.model or DEFAULT_MODEL)
+    if a.json:
+        if not a.tensors:
+            d.pop("tensors")
+        print(json.dumps(d, indent=1))
+    else:
+        print(render(d, a.tensors))
+    return 0
