@@ -75,20 +75,11 @@ def measure_gemm_peaks(m: int = 512, k: int = 576, n: int = 3072, reps: int = 10
 
 
 def weight_bytes(model) -> int:
-    """Bytes one decode step reads: every linear weight and the output head (the embedding only as the head)."""
-    from tokenmill.layers.quant import QuantizedLinear
+    """Bytes one decode step reads: every weight, the embedding only as the tied head (what /metrics
+    counts too)."""
+    from tokenmill.engine.roofline import weight_bytes_read
 
-    total = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantizedLinear):
-            total += mod.weight.nbytes
-        elif hasattr(mod, "panels"):  # PanelLinear: float32 weights (--quantization none on the kernels)
-            total += mod.out_features * mod.in_features * 4
-        elif isinstance(mod, torch.nn.Linear):
-            total += mod.weight.numel() * mod.weight.element_size()
-    if model.head is None and model.lm_head is None:  # tied float head: the embedding matrix is read
-        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return total
+    return weight_bytes_read(model)
 
 
 def decoder_weights(model) -> int:

@@ -19,14 +19,15 @@ INTERVAL_S = 1.0
 class ServerSampler:
     def __init__(self, api: ApiConfig, interval: float = INTERVAL_S) -> None:
         self.url = api.base_url.rstrip("/").removesuffix("/v1") + "/metrics"
-        self.headers = {"Authorization": f"Bearer {api.api_key}"} if getattr(api, "api_key", None) else {}
+        self.headers = {"Authorization": f"Bearer {api.api_key}"} if api.api_key else {}
         self.interval = interval
         self.scrapes: list[Scrape] = []
+        self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
 
-    async def _read(self, client: httpx.AsyncClient) -> None:
+    async def _read(self) -> None:
         try:
-            r = await client.get(self.url)
+            r = await self._client.get(self.url)
             if r.status_code == 200:
                 scrape = Scrape.from_text(r.text, time.time())
                 if scrape.is_inference_server:
@@ -35,23 +36,21 @@ class ServerSampler:
             pass
 
     async def _loop(self) -> None:
-        async with httpx.AsyncClient(timeout=10, headers=self.headers) as client:  # its own: the run's may be full
-            while True:
-                await self._read(client)
-                await asyncio.sleep(self.interval)
+        while True:
+            await asyncio.sleep(self.interval)
+            await self._read()
 
     async def start(self) -> None:
-        async with httpx.AsyncClient(timeout=10, headers=self.headers) as client:
-            await self._read(client)  # the reading the run's deltas start from
+        self._client = httpx.AsyncClient(timeout=10, headers=self.headers)  # its own: the run's may be full
+        await self._read()  # the reading the run's deltas start from
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> dict[str, float]:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        async with httpx.AsyncClient(timeout=10, headers=self.headers) as client:
-            await self._read(client)  # the closing reading
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._read()  # the closing reading
+        await self._client.aclose()
         return self.summary()
 
     def summary(self) -> dict[str, float]:

@@ -5,6 +5,7 @@ knows (sim/hardware.py), else measured once per process: a GEMM and a streaming 
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ def machine_roofline(device_type: str, device_index: int | None, dtype_name: str
         name = torch.cuda.get_device_name(device_index)
         key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "bf16")
         for short, hw in KNOWN.items():
-            if short.upper() in name.upper() and key in hw.peak_flops:
+            if re.search(rf"\b{short}\b", name, re.IGNORECASE) and key in hw.peak_flops:  # an L40S is no L4
                 return Roofline(name, hw.peak_flops[key], hw.memory_bandwidth, f"datasheet: {hw.source}")
         device = torch.device("cuda", device_index)
     else:
@@ -91,16 +92,17 @@ def _measure(device, dtype) -> tuple[float, float, str]:
 
 
 def weight_bytes_read(model) -> int:
-    """Bytes of weights a step reads once: every tensor of the model but the embedding table (a step
-    gathers a few rows of it), which counts when it also serves as the output head."""
-    embed = getattr(model, "embed_tokens", None)
-    skip = {id(t) for t in embed.parameters()} | {id(t) for t in embed.buffers()} if embed is not None else set()
+    """Bytes of weights a step reads once: every tensor of the model but those it gathers a few rows of (the
+    embedding table, the RoPE tables); the embedding counts when it also serves as the output head."""
+    gathered = [m for m in (getattr(model, "embed_tokens", None), getattr(model, "rope", None)) if m is not None]
+    skip = {id(t) for m in gathered for t in (*m.parameters(), *m.buffers())}
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in (*model.parameters(), *model.buffers()):
         if id(t) in skip or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
+    embed = getattr(model, "embed_tokens", None)
     if embed is not None and getattr(model, "head", None) is None and getattr(model, "lm_head", None) is None:
         total += embed.weight.numel() * embed.weight.element_size()  # the tied head is the embedding
     return total

@@ -99,9 +99,8 @@ class Nvml:
 
 @dataclass
 class Window:
-    """The engine over the last ``seconds`` of wall time."""
+    """The engine over the meter's window of wall time."""
 
-    seconds: float
     fractions: dict[str, float]  # phase (and "idle") -> fraction of the wall time
     device_busy: float  # the model-running phases' fraction
     achieved_flops: float  # FLOP/s over the model-running time
@@ -160,7 +159,7 @@ class UtilizationMeter:
         fractions = {k: min(1.0, v / wall) for k, v in sums.items()}
         fractions["idle"] = max(0.0, 1.0 - sum(fractions.values()))
         device_s = sum(sums[p] for p in DEVICE_PHASES)
-        return Window(wall, fractions, min(1.0, device_s / wall), flops / device_s if device_s else 0.0,
+        return Window(fractions, min(1.0, device_s / wall), flops / device_s if device_s else 0.0,
                       nbytes / device_s if device_s else 0.0, self._cpu_utilization(now))
 
     def _cpu_utilization(self, now: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -65,10 +66,7 @@ def _hf(folder: Path) -> dict:
             for name in st.keys():
                 piece = st.get_slice(name)
                 shape = list(piece.get_shape())
-                n = 1
-                for d in shape:
-                    n *= d
-                tensors.append({"name": name, "type": piece.get_dtype(), "shape": shape, "elements": n})
+                tensors.append({"name": name, "type": piece.get_dtype(), "shape": shape, "elements": math.prod(shape)})
     config = folder / "tokenizer_config.json"
     template = (folder / "chat_template.jinja").is_file() or (
         config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))

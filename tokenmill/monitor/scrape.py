@@ -188,8 +188,8 @@ def frame(cur: Scrape, rate_base: Scrape | None, window_base: Scrape | None) -> 
     dev_then = rate_base.device_seconds if rate_base is not None else None
     out["device_busy"] = rate(dev_now, dev_then)
     busy = dev_now - dev_then if dev_now is not None and dev_then is not None else None
-    for key, peak in (("flops", "peak_flops"), ("bytes", "peak_bandwidth")):
-        name = "flops_utilization" if key == "flops" else "bandwidth_utilization"
+    for key, peak, name in (("flops", "peak_flops", "flops_utilization"),
+                            ("bytes", "peak_bandwidth", "bandwidth_utilization")):
         now_v, then_v, top = cur.get(key), rate_base.get(key) if rate_base is not None else None, cur.get(peak)
         if busy and now_v is not None and then_v is not None and top:
             out[name] = max(0.0, now_v - then_v) / busy / top
