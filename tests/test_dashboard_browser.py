@@ -1,7 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's package, driven by Selenium through its own
-chromedriver, nothing downloaded) against the real server on the default model under load from
-`tokenmill bench serve`. The page loads without console errors, its charts update, and the numbers it
-shows agree with /metrics within a sampling interval (exactly, once the load is over).
+chromedriver, nothing downloaded) against the real server on the default model in its default mode, under
+load from `tokenmill bench serve`. The page loads without console errors, its charts update, and the
+numbers it shows agree with /metrics within a sampling interval (exactly, once the load is over).
 
 `.ci/run` installs chromium and chromium-driver and sets TOKENMILL_REQUIRE_BROWSER=1, so there a missing
 browser fails the test; elsewhere it skips saying what to install. TOKENMILL_DASHBOARD_SCREENSHOT=PATH
@@ -74,8 +74,8 @@ def wait_for(condition, timeout: float, what: str):  # noqa: ANN001, ANN201
     pytest.fail(f"timed out waiting for {what}")
 
 
-def test_dashboard_in_chromium_under_load(llm_fp32, browser, tmp_path):
-    engine = llm_fp32.engine
+def test_dashboard_in_chromium_under_load(llm_default, browser, tmp_path):
+    engine = llm_default.engine  # the configuration a user gets with no flags
     ae = AsyncEngine(engine, max_waiting_requests=64, log_interval=None)
     srv = BackgroundServer(build_app(ae, ServerConfig(api_key=KEY))).start()
     auth = {"Authorization": f"Bearer {KEY}"}
