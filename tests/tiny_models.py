@@ -69,12 +69,32 @@ BASE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hi
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
+# What a tiny model of each family needs beyond BASE: head_dim where the config's default is a big
+# model's, a sliding window shorter than the test prompts so that it matters, soft caps small enough to
+# bite on random weights, and a pad id inside the tiny vocabulary.
+FAMILY_DEFAULTS = {
+    "qwen3": {"head_dim": 16},
+    "mistral": {"head_dim": 16, "sliding_window": 8},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 10.0, "pad_token_id": 0},
+    "phi3": {"sliding_window": 8, "pad_token_id": 0},
+    # mixtures of 8 experts, top 2 (Qwen2-MoE: top 4 of 8 with its shared expert and a dense layer)
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 96, "num_hidden_layers": 3, "mlp_only_layers": [1]},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 0},
+}
+
+
 def random_hf_model(arch: str = "llama", seed: int = 0, embed_std: float = 1.0, **overrides):
     """A transformers model from a tiny config, with every parameter (norms and biases too) random."""
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    config = cls(**{**BASE, **overrides})
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config,
+           "phi3": transformers.Phi3Config, "mixtral": transformers.MixtralConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig, "olmoe": transformers.OlmoeConfig}[arch]
+    config = cls(**{**BASE, **FAMILY_DEFAULTS.get(arch, {}), **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -137,7 +157,16 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf_name: str) -> str:
+# llama.cpp's names where a family differs (gemma2's four norms, phi3's fused tensors)
+_GGUF_ARCH_LAYER = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+_GGUF_LAYER.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     hf_name = hf_name.removeprefix("model.")
     top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -145,7 +174,7 @@ def gguf_name(hf_name: str) -> str:
         return top[hf_name]
     _, layer, *rest = hf_name.split(".")
     base, suffix = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{_GGUF_LAYER[base]}.{suffix}"
+    return f"blk.{layer}.{_GGUF_ARCH_LAYER.get(arch, {}).get(base) or _GGUF_LAYER[base]}.{suffix}"
 
 
 def encode_tensor(w: np.ndarray, qtype):
@@ -252,16 +281,20 @@ def hf_to_gguf_tensors(model, types=None, permute: bool = True) -> dict[str, tup
     import gguf
 
     cfg = model.config
+    arch = {"mistral": "llama"}.get(cfg.model_type, cfg.model_type)
+    permute = permute and arch == "llama"  # llama.cpp permutes q/k for its interleaved RoPE in llama files only
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = t.detach().float().numpy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as multipliers (transformers: 1 + w)
         if permute and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif permute and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        g = gguf_name(name)
+        g = gguf_name(name, arch)
         qtype = gguf.GGMLQuantizationType.F32 if types is None or w.ndim == 1 else types(g, w)
         out[g] = (w, qtype)
     return out

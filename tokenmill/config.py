@@ -17,9 +17,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a decoder-only transformer (Llama family, Qwen2)."""
+    """Architecture hyper-parameters of a decoder-only transformer: the Llama family (Llama, SmolLM2,
+    Mistral), Qwen2/Qwen3, Gemma 2 and Phi-3. The fields after attention_bias are the few places where
+    the families differ; their defaults are Llama's."""
 
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,12 +35,58 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    # RMSNorm on queries and keys before RoPE: "head" over each head (Qwen3), "all" over all of q and of
+    # k (OLMoE); "" none
+    qk_norm: str = ""
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] (after the norms)
+    # per layer: how many recent tokens attention sees (0: all of them). Mistral and Phi-3 window every
+    # layer, Gemma 2 every other one. Empty: no layer is windowed.
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" | "gelu_tanh" (Gemma 2)
+    sandwich_norms: bool = False  # Gemma 2: RMSNorm on the attention and MLP outputs too (4 per layer)
+    embed_scale: float = 1.0  # Gemma: embeddings are multiplied by sqrt(hidden_size)
+    query_scale: float | None = None  # attention's softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    # Mixture of experts (Mixtral, Qwen2-MoE, OLMoE): 0 experts means a dense MLP in every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1 (Mixtral)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token also takes, sigmoid-gated
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model (Qwen2-MoE mlp_only_layers)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if self.qk_norm not in ("", "head", "all"):
+            raise ValueError(f"qk_norm must be '', 'head' or 'all', got {self.qk_norm!r}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported (supported: silu, gelu_tanh)")
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens, 0 for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """No family extras: the one-call decoder kernel (forward_layers) runs this model."""
+        return not (self.qk_norm or self.clip_qkv or any(self.layer_windows) or self.hidden_act != "silu"
+                    or self.sandwich_norms or self.embed_scale != 1.0 or self.attn_logit_softcap
+                    or self.final_logit_softcap or self.num_experts)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,13 +1,25 @@
 """Tokenizer layer: text <-> token ids, chat templates and streaming detokenization.
 
-Built on the Rust `tokenizers` library and jinja2 only (no `transformers`). A tokenizer comes from
-either a GGUF file's `tokenizer.ggml.*` metadata or a Hugging Face folder's `tokenizer.json`.
+Built on the Rust `tokenizers` library and jinja2 only (no `transformers`, no `sentencepiece`). A tokenizer
+comes from one of:
+
+- a GGUF file's `tokenizer.ggml.*` metadata, of either vocabulary type llama.cpp writes for the models we
+  run: `gpt2` (byte-level BPE: Llama 3, Qwen2, SmolLM) or `llama` (SentencePiece BPE with byte fallback:
+  Llama 2, Mistral 7B v0.1, TinyLlama). Other types (`bert`, `t5`, `rwkv`, ...) are refused by name.
+- a Hugging Face folder's `tokenizer.json`, or, where a folder has none, its SentencePiece `tokenizer.model`
+  (read with a few lines of protobuf decoding, so `sentencepiece` is not needed).
+
+Both SentencePiece routes build the same `tokenizers` object transformers does (its GGUF converter and
+its LlamaTokenizer): BPE merges recovered from the vocabulary, `▁` for spaces with one prepended at the
+start, `<0x..>` byte tokens for characters outside the vocabulary, and the matching decoder; the tests
+check token-for-token agreement with transformers.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import struct
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +49,9 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token_type values
+# Token types, the same numbers in llama.cpp's token_type and SentencePiece's model proto.
+_CONTROL, _USER_DEFINED = 3, 4
+_GGUF_VOCABS = "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)"
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -85,33 +99,23 @@ class Tokenizer:
     def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
         """Rebuild the tokenizer a GGUF describes, making the same choices as transformers' converter."""
         kind = _gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer type {kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
-                             "use the model's Hugging Face folder with its tokenizer.json instead")
         tokens: list[str] = _gguf_field(reader, "tokenizer.ggml.tokens")
         types: list[int] = _gguf_field(reader, "tokenizer.ggml.token_type") or []
-        merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
-        # A few files store tokens as raw text instead of in the byte alphabet; respell those.
-        alphabet = _BYTE_ALPHABET
-        vocab = {t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode("utf-8")): i
-                 for i, t in enumerate(tokens)}
-        hf = HFTokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
-                                    end_of_word_suffix="", fuse_unk=False))
-        split = _PRE_SPLITS.get(_gguf_field(reader, "tokenizer.ggml.pre"))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
-        hf.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-        hf.decoder = decoders.ByteLevel()
-        # Control tokens must match whole and be skippable; a "control" token outside the byte alphabet is
-        # a llama.cpp mislabel and would grow the vocab, so skip it. User-defined tokens match whole too.
-        hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                               if ty == _CONTROL and set(t) <= alphabet])
-        hf.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
-                       if ty == _USER_DEFINED and t in vocab])
-
         bos_id = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
         eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-        add_bos = bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        if kind == "gpt2":
+            hf = _byte_level_bpe(reader, tokens, types)
+        elif kind == "llama":
+            scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+            hf = _sentencepiece_bpe(tokens, types, scores)
+            specials = [bos_id, eos_id, _gguf_field(reader, "tokenizer.ggml.unknown_token_id"),
+                        _gguf_field(reader, "tokenizer.ggml.padding_token_id")]
+            _add_named_specials(hf, [tokens[i] for i in specials if i is not None])
+        else:
+            raise ValueError(f"GGUF tokenizer type {kind!r} is not supported (supported: {_GGUF_VOCABS})")
+
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary unless the file says otherwise.
+        add_bos = bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")) and bos_id is not None
         add_eos = bool(_gguf_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos_id is not None
         hf.post_processor = _template_processor(tokens[bos_id] if add_bos else None, bos_id,
                                                 tokens[eos_id] if add_eos else None, eos_id)
@@ -122,13 +126,18 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
+        """Load tokenizer.json, or else tokenizer.model (+ tokenizer_config.json, chat_template.jinja,
+        generation_config.json)."""
         path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"{path} has no tokenizer.json (slow-tokenizer-only models are not supported)")
-        hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         generation = _read_json(path / "generation_config.json")
+        spm_ids: dict[str, int] = {}  # a tokenizer.model's own special ids, the last fallback
+        if (path / "tokenizer.json").is_file():
+            hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        elif (path / "tokenizer.model").is_file():
+            hf, spm_ids = _hf_from_sentencepiece_model(path / "tokenizer.model", config)
+        else:
+            raise ValueError(f"{path} has neither tokenizer.json nor a SentencePiece tokenizer.model")
 
         template = config.get("chat_template")
         if isinstance(template, list):  # older format: a list of named templates
@@ -137,10 +146,10 @@ class Tokenizer:
         if (path / "chat_template.jinja").is_file():  # newer format; wins, as in transformers
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
 
-        def token_id(key: str) -> int | None:  # from tokenizer_config.json, else generation_config.json
+        def token_id(key: str) -> int | None:  # tokenizer_config.json, else generation_config.json, else the model
             token = _token_str(config.get(key))
             found = hf.token_to_id(token) if token else None
-            fallback = generation.get(f"{key}_id")
+            fallback = generation.get(f"{key}_id", spm_ids.get(key))
             return found if found is not None else (fallback[0] if isinstance(fallback, list) else fallback)
 
         gen_eos = generation.get("eos_token_id")
@@ -225,6 +234,169 @@ class IncrementalDetokenizer:
         self._done = len(self._ids)
         self.text += delta
         return delta
+
+
+def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str], types: list[int]) -> HFTokenizer:
+    """A GGUF `gpt2` vocabulary: byte-level BPE with the file's merges and split regex."""
+    merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges", [])]
+    # A few files store tokens as raw text instead of in the byte alphabet; respell those.
+    alphabet = _BYTE_ALPHABET
+    vocab = {t if set(t) <= alphabet else "".join(_BYTE_CHARS[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    hf = HFTokenizer(models.BPE(vocab, merges, dropout=None, continuing_subword_prefix="",
+                                end_of_word_suffix="", fuse_unk=False))
+    split = _PRE_SPLITS.get(_gguf_field(reader, "tokenizer.ggml.pre"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    hf.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    hf.decoder = decoders.ByteLevel()
+    # Control tokens must match whole and be skippable; a "control" token outside the byte alphabet is
+    # a llama.cpp mislabel and would grow the vocab, so skip it. User-defined tokens match whole too.
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                           if ty == _CONTROL and set(t) <= alphabet])
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                   if ty == _USER_DEFINED and t in vocab])
+    return hf
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float] | None, *,
+                       add_prefix_space: bool = True, legacy: bool = False) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (`▁` for spaces, `<0x..>` byte tokens) as transformers' LlamaTokenizer
+    builds it. Merges are ranked by `scores` (a GGUF's), or by token id where None (a tokenizer.model)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _merges(vocab, None if scores is None else dict(zip(tokens, scores)))
+    hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    # "first": only the start of the text gets a `▁`, not the text after a special token; `legacy`
+    # (an older transformers behaviour some tokenizer_config.json files still ask for) prefixes each piece.
+    scheme = ("always" if legacy else "first") if add_prefix_space else "never"
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    # Strip the one space the prepended `▁` decodes to.
+    hf.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] if add_prefix_space else steps)
+    # Control tokens match whole and are skippable; user-defined ones match whole but stay in decoded text.
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                           if ty == _CONTROL])
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                   if ty == _USER_DEFINED])
+    return hf
+
+
+def _add_named_specials(hf: HFTokenizer, names: Sequence[str | None]) -> None:
+    """bos/eos/unk/pad become special tokens too (e.g. `<unk>`, which is not a control token), as in
+    transformers; ones already added keep their flags."""
+    added = {t.content for t in hf.get_added_tokens_decoder().values()}
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in names if t and t not in added])
+
+
+def _merges(vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first: every split of a token into two tokens,
+    ranked by the whole token's score (higher first), or by its id (lower first) without scores. This is
+    transformers' generate_merges, down to how ties are broken, so both build the same tokenizer."""
+    ranks = vocab if scores is None else scores
+    merges = []
+    for token, rank in ranks.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges += [(left, right, rank) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=scores is not None)
+    return [(left, right) for left, right, _ in merges]
+
+
+# tokenizer_config.json keys of the special tokens, with their field number and default in SentencePiece's
+# TrainerSpec (-1: none).
+_SPM_SPECIALS = {"bos_token": (41, 1), "eos_token": (42, 2), "unk_token": (40, 0), "pad_token": (43, -1)}
+
+
+def _hf_from_sentencepiece_model(path: Path, config: dict) -> tuple[HFTokenizer, dict[str, int]]:
+    """A tokenizer.model as transformers' LlamaTokenizer loads it (with tokenizer_config.json's settings),
+    and the model's own special-token ids."""
+    pieces, trainer = _read_sentencepiece_model(path)
+    model_type = trainer.get(3, 1)  # TrainerSpec.model_type, unigram unless set
+    if model_type != 2:
+        kind = {1: "unigram", 3: "word", 4: "char"}.get(model_type, f"type {model_type}")
+        raise ValueError(f"{path} is a {kind} SentencePiece model; only BPE ones (Llama 2, Mistral) are "
+                         "supported: use a folder with a tokenizer.json instead")
+    tokens, types = [p[0] for p in pieces], [p[2] for p in pieces]
+    own_ids = {key: i for key, (field, default) in _SPM_SPECIALS.items()
+               if 0 <= (i := _int32(trainer.get(field, default))) < len(tokens)}
+    names = {key: _token_str(config.get(key)) or (tokens[own_ids[key]] if key in own_ids else None)
+             for key in _SPM_SPECIALS}
+
+    hf = _sentencepiece_bpe(tokens, types, None, add_prefix_space=config.get("add_prefix_space") is not False,
+                            legacy=bool(config.get("legacy", False)))
+    # Tokens tokenizer_config.json declares (e.g. a <pad> past the model's vocabulary), in id order.
+    declared = config.get("added_tokens_decoder") or {}
+    for _, t in sorted((int(i), t) for i, t in declared.items() if isinstance(t, dict) and t.get("content")):
+        special = bool(t.get("special", False))
+        hf.add_tokens([AddedToken(t["content"], special=special, normalized=t.get("normalized", not special),
+                                  lstrip=t.get("lstrip", False), rstrip=t.get("rstrip", False),
+                                  single_word=t.get("single_word", False))])
+    _add_named_specials(hf, list(names.values()))
+
+    # BOS as the model was trained (transformers 5 assumes no BOS when the flag is absent; 4 and llama.cpp add it).
+    bos, eos = names["bos_token"], names["eos_token"]
+    add_bos = bool(config.get("add_bos_token", True)) and bos is not None
+    add_eos = bool(config.get("add_eos_token", False)) and eos is not None
+    hf.post_processor = _template_processor(bos if add_bos else None, hf.token_to_id(bos) if bos else None,
+                                            eos if add_eos else None, hf.token_to_id(eos) if eos else None)
+    return hf, own_ids
+
+
+def _read_sentencepiece_model(path: Path) -> tuple[list[tuple[str, float, int]], dict[int, Any]]:
+    """(piece, score, type) for each token, and the TrainerSpec's fields by number, from a tokenizer.model.
+
+    A handful of protobuf fields is all we need, so we decode the wire format here rather than require
+    `sentencepiece` + `protobuf` (whose processor API alone does not expose token types or the model type).
+    ModelProto: 1 pieces (1 piece, 2 score, 3 type), 2 trainer_spec. See sentencepiece_model.proto.
+    """
+    try:
+        pieces, trainer = [], {}
+        for field, value in _protobuf_fields(path.read_bytes()):
+            if field == 1:
+                piece = dict(_protobuf_fields(value))
+                score = struct.unpack("<f", piece[2])[0] if 2 in piece else 0.0
+                pieces.append((piece.get(1, b"").decode("utf-8"), score, piece.get(3, 1)))
+            elif field == 2:
+                trainer = dict(_protobuf_fields(value))
+    except (ValueError, TypeError, AttributeError, struct.error) as e:  # fields of the wrong kind, bad UTF-8
+        raise ValueError(f"{path} is not a SentencePiece model ({e})") from None
+    if not pieces:
+        raise ValueError(f"{path} is not a SentencePiece model (no vocabulary in it)")
+    return pieces, trainer
+
+
+def _protobuf_fields(data: bytes) -> Iterator[tuple[int, Any]]:
+    """(field number, value) for each field of one protobuf message: an int for varints, else raw bytes."""
+    def varint(i: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            byte = data[i]  # IndexError on truncated data
+            value |= (byte & 0x7F) << shift
+            i, shift = i + 1, shift + 7
+            if byte < 0x80:
+                return value, i
+
+    i = 0
+    try:
+        while i < len(data):
+            key, i = varint(i)
+            wire = key & 7
+            if wire == 0:
+                value, i = varint(i)
+            elif wire in (1, 2, 5):  # 64-bit, length-delimited, 32-bit
+                size, i = varint(i) if wire == 2 else (8 if wire == 1 else 4, i)
+                value, i = data[i:i + size], i + size
+            else:
+                raise ValueError(f"unexpected protobuf wire type {wire}")
+            if i > len(data):
+                raise ValueError("truncated protobuf data")
+            yield key >> 3, value
+    except IndexError:
+        raise ValueError("truncated protobuf data") from None
+
+
+def _int32(value: int) -> int:
+    """A protobuf int32 read as an unsigned varint (negative numbers are sent as 64-bit two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _template_processor(bos: str | None, bos_id: int | None, eos: str | None,

@@ -323,8 +323,13 @@ class EngineCore:
             forward_s=getattr(self.runner, "forward_s", 0.0), sample_s=getattr(self.runner, "sample_s", 0.0),
             flops=step_flops(self.model_config, shape) if shape is not None else 0.0,
             bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
+            expert_tokens=self._expert_tokens(),
         )
         return CoreStep(outputs, stats, self.state())
+
+    def _expert_tokens(self) -> list[list[int]] | None:
+        take = getattr(getattr(self.runner, "model", None), "take_expert_tokens", None)
+        return take() if take is not None else None
 
     def _output(self, req: Request, result) -> CoreOutput:
         rid = req.request_id

@@ -51,6 +51,8 @@ class StepStats:
     sample_s: float = 0.0
     flops: float = 0.0  # the step's model FLOPs and memory traffic, by the roofline formulas (sim/cost.py)
     bytes: float = 0.0
+    # mixture of experts: tokens routed to each expert this step, per layer ([] for a dense layer)
+    expert_tokens: list[list[int]] | None = None
 
 
 # ---- front end -> core ----------------------------------------------------------------

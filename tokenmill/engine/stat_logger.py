@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenmill.engine.messages import StepStats
 from tokenmill.engine.utilization import ProcessCpu
+from tokenmill.layers.moe import expert_imbalance
 from tokenmill.outputs import RequestOutput
 
 request_logger = logging.getLogger("tokenmill.requests")
@@ -38,6 +39,7 @@ class LoggingStatLogger:
         self.predicted = self.observed = 0.0  # step seconds, where a latency target plans them
         self.last: StepStats | None = None
         self.device_s = self.flops = self.bytes = 0.0  # utilization (engine/utilization.py)
+        self.expert_tokens: list[list[int]] = []  # mixture of experts: routed tokens per layer and expert
         self.cpu_start = self.cpu.seconds()
 
     # ---- EngineObserver --------------------------------------------------------------
@@ -67,6 +69,11 @@ class LoggingStatLogger:
         self.flops += stats.flops
         self.bytes += stats.bytes
         self.hits += stats.prefix_cache_hits
+        if stats.expert_tokens:
+            if not self.expert_tokens:
+                self.expert_tokens = [[0] * len(c) for c in stats.expert_tokens]
+            for acc, counts in zip(self.expert_tokens, stats.expert_tokens):
+                acc[:] = [a + n for a, n in zip(acc, counts)]
         if stats.spec is not None:
             self.drafts += stats.spec.num_drafts
             self.draft_tokens += stats.spec.num_draft_tokens
@@ -79,7 +86,7 @@ class LoggingStatLogger:
                 "%d running, %d waiting; KV cache %.1f%% used (%d/%d blocks); %d preemptions total%s",
                 self.prompt / dt, self.gen / dt, self.finished, s.num_running, s.num_waiting,
                 100 * s.kv_cache_usage, s.num_blocks - s.num_free_blocks, s.num_blocks, s.num_preemptions,
-                self._prefix_text() + self._spec_text() + self._plan_text() + self._device_text(dt))
+                self._prefix_text() + self._spec_text() + self._moe_text() + self._plan_text() + self._device_text(dt))
             self._reset(now)
 
     def _spec_text(self) -> str:
@@ -89,6 +96,12 @@ class LoggingStatLogger:
         rate = self.accepted / self.draft_tokens
         return (f"; speculative decoding: acceptance rate {100 * rate:.1f}%, "
                 f"mean acceptance length {1 + self.accepted / self.drafts:.2f}")
+
+    def _moe_text(self) -> str:
+        """The router's load balance over the interval: busiest expert over the mean, worst layer."""
+        if not any(sum(c) for c in self.expert_tokens):
+            return ""
+        return f"; experts: busiest {expert_imbalance(self.expert_tokens):.2f}x the mean (worst layer)"
 
     def _plan_text(self) -> str:
         """The SLO planner's targets, its step-time prediction against what the steps took, and refusals."""

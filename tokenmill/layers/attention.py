@@ -91,8 +91,12 @@ class TorchPagedAttention:
         v: torch.Tensor,  # [T, Hkv, D]
         kv: tuple[torch.Tensor, ...],  # k_cache, v_cache [num_blocks, block_size, Hkv, D] (+ scales)
         meta: AttentionMetadata,
+        scale: float | None = None,  # the softmax scale; None: D ** -0.5
+        window: int = 0,  # sliding window: a token sees only the last `window` positions (0: all)
+        softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [T, H, D]
         num_blocks, block_size, hkv, d = kv[0].shape
+        scale = d ** -0.5 if scale is None else scale
         if len(kv) == 2:
             kv[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
             kv[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
@@ -104,22 +108,22 @@ class TorchPagedAttention:
                 kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
                 fresh.append(dequantize_kv(values, scale, q.dtype))  # what the cache will give back
             k, v = fresh
-        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda:
+        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda and not window and not softcap:
             # reads the cache in place (a quantized one dequantized row by row, as gather_kv would)
             return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of,
-                                            meta.ctx_lens, d ** -0.5, *kv[2:])
+                                            meta.ctx_lens, scale, *kv[2:])
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv, meta, group)
+            out[:nd] = self._decode(q[:nd], kv, meta, group, scale, window, softcap)
         for c in meta.prefills:
             out[c.start : c.end] = self._prefill(q[c.start : c.end], k[c.start : c.end], v[c.start : c.end],
-                                                 kv, c, group)
+                                                 kv, c, group, scale, window, softcap)
         return out
 
     @staticmethod
-    def _decode(q, kv, meta, group):
+    def _decode(q, kv, meta, group, scale, window, softcap):
         b, h, d = q.shape
         hkv = kv[0].shape[2]
         n_blk = -(-meta.decode_max_len // kv[0].shape[1])
@@ -127,13 +131,16 @@ class TorchPagedAttention:
         # [B, n_blk, bs, Hkv, D] -> [B, Hkv, L, D]
         keys = gather_kv(kv, 0, tables, q.dtype).flatten(1, 2).transpose(1, 2)
         vals = gather_kv(kv, 1, tables, q.dtype).flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(keys.shape[2], device=q.device) < meta.decode_seq_lens[:, None]  # [B, L]
+        pos = torch.arange(keys.shape[2], device=q.device)
+        mask = pos < meta.decode_seq_lens[:, None]  # [B, L]
+        if window:  # the new token sits at seq_len - 1 and sees positions > seq_len - 1 - window
+            mask &= pos > meta.decode_seq_lens[:, None] - 1 - window
         qg = q.view(b, hkv, group, d)  # query heads sharing a KV head ride the query-length axis
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask[:, None, None, :])
+        o = _attend(qg, keys, vals, mask[:, None, None, :], scale, softcap)
         return o.reshape(b, h, d)
 
     @staticmethod
-    def _prefill(q, k, v, kv, c: PrefillChunk, group):
+    def _prefill(q, k, v, kv, c: PrefillChunk, group, scale, window, softcap):
         n, h, d = q.shape
         if c.context_len == 0:
             keys, vals = k, v  # nothing cached before this chunk: use the fresh K/V directly
@@ -146,14 +153,28 @@ class TorchPagedAttention:
         keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, D]
         vals = vals.transpose(0, 1).repeat_interleave(group, dim=0)
         qh = q.transpose(0, 1)  # [H, n, D]
-        if c.context_len == 0:
-            o = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True)
+        if c.context_len == 0 and not window and not softcap:
+            o = F.scaled_dot_product_attention(qh, keys, vals, is_causal=True, scale=scale)
         else:
-            # query i sits at position context_len + i and sees keys 0..context_len + i
+            # query i sits at position context_len + i and sees keys 0..context_len + i (the last `window`)
             rows = torch.arange(n, device=q.device)[:, None] + c.context_len
-            mask = torch.arange(keys.shape[1], device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask)
+            cols = torch.arange(keys.shape[1], device=q.device)[None, :]
+            mask = cols <= rows
+            if window:
+                mask &= cols > rows - window
+            o = _attend(qh, keys, vals, mask, scale, softcap)
         return o.transpose(0, 1)
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None):
+    """softmax(q k^T * scale) v under a boolean mask; with a soft cap the scores are capped first
+    (SDPA has no hook for that, so the scores are materialised, as transformers' eager Gemma 2 does)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 _BACKENDS = {"torch": TorchPagedAttention}

@@ -10,7 +10,45 @@ import torch
 
 from tokenmill.config import ModelConfig
 
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen2_moe", "olmoe")
+
+
+def _moe(cfg: dict, model_type: str) -> dict:
+    """ModelConfig's mixture-of-experts fields, by each family's config names and defaults."""
+    if model_type == "mixtral":
+        return dict(num_experts=cfg.get("num_local_experts", 8), num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if model_type == "olmoe":
+        return dict(num_experts=cfg.get("num_experts", 64), num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=cfg.get("norm_topk_prob", False))
+    if model_type == "qwen2_moe":
+        n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+        dense = tuple(i for i in range(n) if i in cfg.get("mlp_only_layers", []) or (i + 1) % step)
+        return dict(num_experts=cfg.get("num_experts", 60), num_experts_per_tok=cfg.get("num_experts_per_tok", 4),
+                    moe_intermediate_size=cfg.get("moe_intermediate_size", 1408),
+                    norm_topk_prob=cfg.get("norm_topk_prob", False),
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 5632),
+                    dense_layers=dense)
+    return {}
+
+
+def _layer_windows(cfg: dict, model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), by transformers' rules for each family."""
+    window = cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type == "gemma2":  # even layers slide, odd ones see everything
+            types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe"):
+            slide = cfg.get("use_sliding_window", False)
+            first = cfg.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(num_layers)]
+        else:  # Mistral, Phi-3: sliding_window (when set) applies to every layer
+            types = ["sliding_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 def hf_model_config(folder: Path, file_name: str = "config.json") -> ModelConfig:
@@ -25,40 +63,70 @@ def hf_model_config(folder: Path, file_name: str = "config.json") -> ModelConfig
     # transformers >= 5 keeps RoPE settings in rope_parameters; older configs use rope_theta/rope_scaling.
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su", "yarn", "dynamic"):
+        raise ValueError(f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported "
+                         "(supported: default, linear, llama3); use the model's short-context variant")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
+    gemma = model_type == "gemma2"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise ValueError(f"hidden activation {act!r} is not supported (supported: {', '.join(acts)})")
     heads = cfg["num_attention_heads"]
-    arch = _ARCHS[model_type]
     try:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return ModelConfig(
-            architecture=arch,
+            architecture=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            attention_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+            qk_norm={"qwen3": "head", "olmoe": "all"}.get(model_type, ""),
+            clip_qkv=cfg.get("clip_qkv") if model_type == "olmoe" else None,
+            layer_windows=_layer_windows(cfg, model_type, cfg["num_hidden_layers"]),
+            hidden_act=acts[act],
+            sandwich_norms=gemma,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            query_scale=cfg["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+            attn_logit_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            **_moe(cfg, model_type),
         )
     except KeyError as e:
         raise ValueError(f"{folder / file_name} lacks the key {e.args[0]!r}") from None
 
 
-def hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(folder: Path, cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in its stored dtype (bf16 stays bf16), read one at a time from the memory-mapped
+    files: the model copies each into its own parameters (converting to the compute dtype there), so
+    the host never holds a float32 copy of the checkpoint. Gemma's norms are stored as offsets from 1
+    (transformers multiplies by 1 + w): they come back as the multipliers, as llama.cpp's converter
+    writes them into GGUF files."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {folder} (PyTorch .bin checkpoints are not supported)")
+    norm_offset = cfg is not None and cfg.architecture == "gemma2"
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name).float()
+                    t = st.get_tensor(name)
+                    if norm_offset and name.endswith("norm.weight"):
+                        t = t.float() + 1
+                    yield name, t
         except SafetensorError as e:  # damaged or truncated file
             raise ValueError(f"{f} is not a readable safetensors file ({e})") from None

@@ -76,7 +76,7 @@ def _hf(folder: Path) -> dict:
         "bytes": size,
         "tensor_types": dict(Counter(t["type"] for t in tensors).most_common()),
         "unsupported_types": [],
-        "tokenizer": "tokenizer.json" if (folder / "tokenizer.json").is_file() else None,
+        "tokenizer": next((n for n in ("tokenizer.json", "tokenizer.model") if (folder / n).is_file()), None),
         "chat_template": template,
         "quantization_auto": _auto_mode(None),
         "tensors": [{k: v for k, v in t.items() if k != "elements"} for t in tensors],
@@ -86,7 +86,30 @@ def _hf(folder: Path) -> dict:
 def _config(cfg) -> dict:  # noqa: ANN001
     return {"architecture": cfg.architecture, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size,
-            "context_length": cfg.max_position_embeddings, "tied_embeddings": cfg.tie_word_embeddings}
+            "context_length": cfg.max_position_embeddings, "tied_embeddings": cfg.tie_word_embeddings,
+            "features": _features(cfg)}
+
+
+def _features(cfg) -> list[str]:  # noqa: ANN001
+    """What this family adds to a Llama decoder, in words."""
+    out = ["q/k/v bias"] if cfg.attention_bias else []
+    out += [{"head": "q/k RMSNorm per head", "all": "q/k RMSNorm"}[cfg.qk_norm]] if cfg.qk_norm else []
+    out += [f"q/k/v clipped at {cfg.clip_qkv:g}"] if cfg.clip_qkv else []
+    if cfg.num_experts:
+        moe = [f"{cfg.num_experts} experts, top {cfg.num_experts_per_tok}"]
+        moe += [f"shared expert {cfg.shared_expert_intermediate_size} wide"] if cfg.shared_expert_intermediate_size else []
+        moe += [f"{len(cfg.dense_layers)} dense layers"] if cfg.dense_layers else []
+        out.append("mixture of experts: " + ", ".join(moe))
+    windowed = [w for w in cfg.layer_windows if w]
+    if windowed:
+        out.append(f"sliding window {max(windowed)} on {len(windowed)} of {cfg.num_layers} layers")
+    out += ["sandwich norms"] if cfg.sandwich_norms else []
+    out += ["GELU (tanh) MLP"] if cfg.hidden_act == "gelu_tanh" else []
+    out += [f"embedding scale {cfg.embed_scale:.4g}"] if cfg.embed_scale != 1.0 else []
+    out += [f"attention scale {cfg.query_scale:.4g}"] if cfg.query_scale is not None else []
+    out += [f"attention logit soft cap {cfg.attn_logit_softcap:g}"] if cfg.attn_logit_softcap else []
+    out += [f"final logit soft cap {cfg.final_logit_softcap:g}"] if cfg.final_logit_softcap else []
+    return out
 
 
 def render(d: dict, tensors: bool) -> str:
@@ -95,6 +118,7 @@ def render(d: dict, tensors: bool) -> str:
              f"  {d['architecture']}: {d['layers']} layers, hidden {d['hidden_size']}, {d['heads']} heads / "
              f"{d['kv_heads']} KV heads, vocabulary {d['vocab_size']}, context {d['context_length']} tokens"
              f"{', tied embeddings' if d['tied_embeddings'] else ''}",
+             *([f"  features: {', '.join(d['features'])}"] if d.get("features") else []),
              f"  {size}; tensor types: " + ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items()),
              f"  tokenizer: {d['tokenizer'] or 'none found'}; chat template: {'yes' if d['chat_template'] else 'no'}",
              f"  --quantization auto runs it as: {d['quantization_auto']} (on this machine)"]

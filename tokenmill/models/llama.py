@@ -1,12 +1,17 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2 (q/k/v bias).
+"""The decoder-only transformer every supported family runs on: Llama 2/3, SmolLM2, Mistral (sliding
+window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 (sandwich norms, GELU, embedding scale,
+logit soft-capping, alternating sliding window) and Phi-3 (fused checkpoints). ModelConfig says which
+extras a model has; the code below is one definition with those switches, not one class per family.
 
 Runs over a flat batch of T tokens from many requests at once; attention goes through the
 paged-KV backend. Weights arrive under Hugging Face names and are fused on load:
-q/k/v into one projection and gate/up into another (one GEMM each instead of three/two).
+q/k/v into one projection and gate/up into another (one GEMM each instead of three/two); Phi-3
+checkpoints arrive fused already.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +20,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
+from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -43,50 +49,83 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int) -> None:
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # over each head (Qwen3) or over all of q and all of k (OLMoE)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.d if per_head else self.h * self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d if per_head else self.hkv * self.d, cfg.rms_norm_eps)
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        self.scale, self.window, self.softcap = cfg.attention_scale, cfg.window(layer), cfg.attn_logit_softcap
         self.backend = backend
         self.ops = None
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.ops is not None:  # q and k heads are adjacent in the fused output: rotate them in one call
-            self.ops.rope_(qkv, rope_tables[0], rope_tables[1], self.h + self.hkv, self.d)
+        qk = self.h + self.hkv  # q and k heads are adjacent in the fused output
+        if self.qk_norm:  # normalised before RoPE, written back so that RoPE still takes one call
+            rows = self.d if self.qk_norm == "head" else None  # None: the whole of q, of k
+            q, k = qkv[:, : self.h * self.d], qkv[:, self.h * self.d: qk * self.d]
+            q_n = self.q_norm(q.reshape(-1, rows or q.shape[1])).view(t, -1)
+            k_n = self.k_norm(k.reshape(-1, rows or k.shape[1])).view(t, -1)
+            qkv[:, : qk * self.d] = torch.cat([q_n, k_n], dim=1)
+        if self.clip:
+            qkv.clamp_(-self.clip, self.clip)
+        if self.ops is not None:  # rotate q and k heads in one call
+            self.ops.rope_(qkv, rope_tables[0], rope_tables[1], qk, self.d)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d)
         if self.ops is None:
             q, k = RotaryEmbedding.apply(q, k, *rope_tables)
-        o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta)  # [T, H, D]
+        o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta,
+                                 scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gelu = act == "gelu_tanh"
         self.ops = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
+        if self.ops is not None and not self.gelu:
             return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer)
+        # Llama: the norm before the MLP. Gemma 2 (sandwich): the norm of the attention's output, with
+        # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if cfg.is_moe_layer(layer):
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                                 MLP(cfg.hidden_size, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, rope_tables, kv, meta):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope_tables, kv, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -97,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # (no random init)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -140,7 +179,8 @@ class LlamaForCausalLM(nn.Module):
         without ~20 Python-dispatched ops per layer. None where it does not apply (a quantized KV
         cache, or float weights)."""
         ops = self.ops
-        if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches):
+        if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches) \
+                or not self.cfg.is_plain_llama:
             return None
         if self._layer_stack is None:
             self._layer_stack = self._layer_weights() or ()
@@ -151,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         return ops.forward_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
                                   rope_tables[0], rope_tables[1], meta.slot_mapping, meta.block_tables,
                                   meta.seq_of, meta.ctx_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  self.norm.eps, cfg.head_dim ** -0.5)
+                                  self.norm.eps, cfg.attention_scale)
 
     def forward(
         self,
@@ -162,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
     ) -> torch.Tensor:  # [N, V] float32
         x = self.embed_tokens(input_ids)
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the model dtype, as transformers does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope_tables = self.rope.tables(positions)
         if self.ops is not None:
             rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
@@ -174,9 +216,25 @@ class LlamaForCausalLM(nn.Module):
         # The output head is the largest GEMM: run it only where a token is sampled.
         x = self.norm(x[logits_indices])
         if self.head is not None:
-            return self.head(x).float()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+            logits = self.head(x).float()
+        else:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(x, head).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def take_expert_tokens(self) -> list[list[int]] | None:
+        """Tokens routed to each expert since the last call, per layer ([] for a dense layer), and restart
+        the counts; None for a model without experts."""
+        if not self.cfg.num_experts:
+            return None
+        out = []
+        for layer in self.layers:
+            counts = getattr(layer.mlp, "expert_tokens", None)
+            out.append([] if counts is None else counts.tolist())
+            if counts is not None:
+                counts.zero_()
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | None]]) -> None:
         """Load from Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...). A tensor
@@ -187,9 +245,18 @@ class LlamaForCausalLM(nn.Module):
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
         kept: set[str] = set()  # weights that come as None: their quantized blocks replace them later
+        expert_parts: dict[str, int] = {}  # stacked expert parameter -> expert matrices copied into it
         for name, tensor in weights:
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name
             if name.startswith("rotary_emb") or "rotary_emb.inv_freq" in name:
+                continue
+            head, sep, tail = name.rpartition(".mlp.")
+            if sep and tail in _STACKED_EXPERTS:
+                name = f"{head}.mlp.{_STACKED_EXPERTS[tail]}"
+            expert = _EXPERT.match(name)
+            if expert is not None and tensor is not None:
+                key = self._load_expert(params, name, expert, tensor)
+                expert_parts[key] = expert_parts.get(key, 0) + 1
                 continue
             parts = name.split(".")
             if tensor is None:
@@ -203,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
                 if key in params:  # check each part here: torch.cat would fail obscurely, or name the fused one
                     c = self.cfg
                     rows = ([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
-                            if target == "qkv_proj" else [c.intermediate_size] * 2)[idx]
+                            if target == "qkv_proj" else [params[key].shape[0] // 2] * 2)[idx]
                     want = (rows, *params[key].shape[1:])
                     if tuple(tensor.shape) != want:
                         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
@@ -223,6 +290,32 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
             p.data.copy_(tensor)
             loaded.add(name)
+        for key, n in expert_parts.items():  # every expert's gate and up (or down) matrix
+            if n == params[key].shape[0] * (2 if key.endswith("w_gate_up") else 1):
+                loaded.add(key)
         missing = set(params) - loaded - kept
         if pending or missing:
             raise ValueError(f"checkpoint is incomplete: missing {sorted(missing | set(pending))[:8]}")
+
+    def _load_expert(self, params: dict, name: str, match, tensor: torch.Tensor) -> str:
+        """Copy one expert's gate, up or down matrix into its slice of the stacked parameter; its key."""
+        layer, e, part = match.groups()
+        target, half = _EXPERT_PARTS[part]
+        key = f"layers.{layer}.mlp.{target}"
+        if key not in params or int(e) >= params[key].shape[0]:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+        dst = params[key].data[int(e)]
+        if half is not None:
+            dst = dst.chunk(2)[half]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return key
+
+
+# one expert's matrices as checkpoints name them (Qwen2-MoE/OLMoE; Mixtral's w1/w3/w2) -> where they go
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"gate_proj": ("w_gate_up", 0), "w1": ("w_gate_up", 0), "up_proj": ("w_gate_up", 1),
+                 "w3": ("w_gate_up", 1), "down_proj": ("w_down", None), "w2": ("w_down", None)}
+# transformers 5's in-memory layout, all experts in one tensor (a checkpoint saved that way loads as is)
+_STACKED_EXPERTS = {"experts.gate_up_proj": "w_gate_up", "experts.down_proj": "w_down"}

@@ -53,7 +53,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     else:
         cfg = hf_model_config(source.path)
         tokenizer = Tokenizer.from_hf_folder(source.path)
-        weights = hf_weights(source.path)
+        weights = hf_weights(source.path, cfg)
     phase("tokenizer")
     quantization = resolve_quantization(quantization, reader, device, dtype)
     if reader is not None:
@@ -65,7 +65,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{cfg.max_position_embeddings}")
     max_model_len = max_model_len or cfg.max_position_embeddings
-    model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
+    # Built in the compute dtype: each checkpoint tensor is converted as it is copied in, so a bf16
+    # checkpoint run in bf16 never takes float32 memory (RoPE tables are float32 whatever the default).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
+    finally:
+        torch.set_default_dtype(default)
     model.load_weights(weights)
     quantize_model(model, quantization, raw,
                    after_layer=(lambda: release_file_pages(reader)) if reader is not None else (lambda: None))
@@ -73,9 +80,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         why = f"the device is {device}" if device.type != "cpu" else unavailable_reason()
         logger.warning("--quantization %s: no quantized kernels here (%s); weights are dequantized on first "
                        "use, so they take float memory", quantization, why)
-    # RoPE tables stay float32 for accuracy; everything else takes the compute dtype.
-    model.to(device=device, dtype=dtype)
-    model.rope.to(device=device, dtype=torch.float32)
+    model.to(device=device)  # (parameters are in the compute dtype already; RoPE tables stay float32)
     # On the CPU in float32 every mode runs the kernels (fused elementwise ops, paged attention, and for
     # none float32 GEMMs in one summation order): batch invariant whatever the weights.
     if device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:

@@ -71,7 +71,7 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
             return ModelSource(ggufs[0].stem, ggufs[0], "gguf")
         raise ModelNotFoundError(
             f"folder {model!r} has no config.json (and {len(ggufs)} .gguf files); "
-            "a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json"
+            "a Hugging Face model folder needs config.json, *.safetensors and tokenizer.json (or tokenizer.model)"
         )
     # "dir/model.gguf" is a missing file, not a hub id (hub fetches take no .gguf files anyway).
     if model.count("/") == 1 and not model.startswith((".", "/", "~")) and path.suffix != ".gguf":

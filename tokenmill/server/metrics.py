@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from tokenmill.engine.async_engine import EngineSnapshot
 from tokenmill.engine.messages import StepStats
 from tokenmill.engine.utilization import PHASES, Nvml, UtilizationMeter
+from tokenmill.layers.moe import expert_imbalance
 from tokenmill.outputs import RequestOutput
 
 # vLLM's buckets
@@ -133,6 +134,13 @@ class ServerMetrics:
         self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted tokens per draft position.", ["model_name", "position"], registry=reg)
+        # mixture of experts (absent for dense models): the router's load balance
+        self._expert_tokens = Counter("tokenmill:moe_expert_tokens", "Tokens the router sent to each expert "
+                                      "(a token counts once in each of its top-k experts).",
+                                      ["model_name", "layer", "expert"], registry=reg)
+        self._expert_imbalance = Gauge("tokenmill:moe_load_imbalance", "Over the last step, the busiest expert's "
+                                       "tokens over the mean per expert, in the most unbalanced layer (1 = even).",
+                                       labels, registry=reg)
 
     # ---- EngineObserver ----------------------------------------------------------------
 
@@ -175,6 +183,12 @@ class ServerMetrics:
             self.spec_accepted.inc(spec.num_accepted_tokens)
             for pos, n in enumerate(spec.accepted_per_pos):
                 self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
+        if stats.expert_tokens:
+            for layer, counts in enumerate(stats.expert_tokens):
+                for expert, n in enumerate(counts):
+                    if n:
+                        self._expert_tokens.labels(self._model_name, str(layer), str(expert)).inc(n)
+            self._expert_imbalance.labels(self._model_name).set(expert_imbalance(stats.expert_tokens))
 
     def on_request_finished(self, output: RequestOutput, now: float) -> None:
         """One observation per sequence (an n=3 request counts 3), as vLLM does with its n fan-out."""

@@ -21,9 +21,19 @@ from tokenmill.sim.hardware import HardwareProfile
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 
-def layer_params(cfg: ModelConfig) -> int:
+def layer_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Linear-layer parameters of one layer (averaged over the layers). In a mixture of experts, with
+    ``active`` those a token passes through (its top-k experts, the shared expert, the router), else all
+    of them (what a step reads once every expert has a token)."""
     d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return 2 * d * q + 2 * d * kv + 3 * d * cfg.intermediate_size
+    mlp = 3 * d * cfg.intermediate_size
+    if cfg.num_experts:
+        experts = cfg.num_experts_per_tok if active else cfg.num_experts
+        moe = (3 * d * (experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
+               + d * cfg.num_experts)
+        sparse = cfg.num_layers - len(cfg.dense_layers)
+        mlp = (sparse * moe + len(cfg.dense_layers) * mlp) // cfg.num_layers
+    return 2 * d * q + 2 * d * kv + mlp
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> float:
@@ -53,7 +63,8 @@ class RooflineCost:
         self.cfg, self.hw, self.tp = cfg, hw, tensor_parallel_size
         self.peak = hw.flops(compute_dtype)
         self.bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
-        self.linear_params = cfg.num_layers * layer_params(cfg) + cfg.hidden_size * cfg.vocab_size  # + LM head
+        self.linear_params = (cfg.num_layers * layer_params(cfg, active=False)
+                              + cfg.hidden_size * cfg.vocab_size)  # + LM head
         self.weight_bytes = self.linear_params * DTYPE_BYTES[weight_dtype]
         self.kv_token_bytes = kv_bytes_per_token(cfg, kv_dtype)
         self.act_bytes = DTYPE_BYTES[compute_dtype]
