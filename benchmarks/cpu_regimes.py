@@ -15,6 +15,7 @@ batch size, for batch invariance) and llama.cpp, float32's for none; attention F
     python benchmarks/cpu_regimes.py --quantization gguf none                 # tokenmill only
     python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR       # + llama-bench, llama-batched-bench
     python benchmarks/cpu_regimes.py --quantization gguf --llama-bin DIR --paired-rounds 8
+    python benchmarks/cpu_regimes.py --model FILE.gguf --llama-bin DIR --paired-rounds 8   # another file, e.g. Q4_K_M
 
 --paired-rounds N then alternates the two engines N more times on decode and on prefill (tokenmill
 128 tokens, llama-bench tg128; tokenmill one 512-token prompt, llama-bench pp512; one repetition
@@ -90,10 +91,10 @@ def decoder_weights(model) -> int:
                if isinstance(m, (QuantizedLinear, torch.nn.Linear)) or hasattr(m, "panels"))
 
 
-def run_tokenmill(quantization: str, vocab_hi: int = 20000) -> dict:
+def run_tokenmill(quantization: str, model: str = "smollm2-135m-instruct", vocab_hi: int = 20000) -> dict:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model="smollm2-135m-instruct", quantization=quantization, max_num_batched_tokens=2048,
+    llm = LLM(model=model, quantization=quantization, max_num_batched_tokens=2048,
               max_num_seqs=64)
     model = llm.engine.runner.model
     g = torch.Generator().manual_seed(0)
@@ -125,7 +126,7 @@ def paired_rounds(bin_dir: Path, gguf: str, threads: int, quantization: str, rou
     """(tokenmill, llama.cpp) tok/s for decode (tg128) and prefill (pp512), alternated round by round."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model="smollm2-135m-instruct", quantization=quantization, max_num_batched_tokens=2048)
+    llm = LLM(model=gguf, quantization=quantization, max_num_batched_tokens=2048)
     greedy = dict(temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     llm.generate([[700]], SamplingParams(max_tokens=8, **greedy), use_tqdm=False)  # warm up
@@ -167,6 +168,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantization", nargs="+", default=["gguf"], help="tokenmill modes to run (default gguf)")
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-bench and llama-batched-bench")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a .gguf file both engines run (default: the embedded model), e.g. a Q4_K_M file")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--paired-rounds", type=int, default=0,
                     help="with --llama-bin: alternate both engines' decode and prefill this many more times")
@@ -178,12 +181,12 @@ def main() -> None:
     peaks = measure_gemm_peaks()
     print(f"roofline: bandwidth {bw:.1f} GB/s, fp32 GEMM {peaks['fp32_gflops']:.0f} GFLOP/s, "
           f"int kernel {peaks.get('int_kernel_gflops', float('nan')):.0f} GFLOP/s ({args.threads} threads)")
-    rows = [run_tokenmill(q) for q in args.quantization]
-    if args.llama_bin:
-        from tokenmill.models.registry import resolve_model
+    from tokenmill.models.registry import resolve_model
 
-        rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, str(resolve_model(
-            "smollm2-135m-instruct").path), args.threads)})
+    gguf = str(resolve_model(args.model).path)
+    rows = [run_tokenmill(q, gguf) for q in args.quantization]
+    if args.llama_bin:
+        rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, gguf, args.threads)})
     gguf_row = next((r for r in rows if r["quantization"] in ("gguf", "auto")), rows[0])
     print("\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
     print("|---|---|---|---|---|---|")
@@ -199,10 +202,8 @@ def main() -> None:
               f"| {r['batched_total_tok_s']:.1f} |")
     result = {"bandwidth_gbs": bw, **peaks, "rows": rows}
     if args.llama_bin and args.paired_rounds:
-        from tokenmill.models.registry import resolve_model
-
         print(f"\npaired rounds, tokenmill {args.quantization[0]} vs llama.cpp (llama-bench tg128 / pp512):")
-        paired = paired_rounds(args.llama_bin, str(resolve_model("smollm2-135m-instruct").path), args.threads,
+        paired = paired_rounds(args.llama_bin, gguf, args.threads,
                                args.quantization[0], args.paired_rounds)
         result["paired"] = {}
         for regime, pairs in paired.items():
