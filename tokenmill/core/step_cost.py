@@ -37,7 +37,7 @@ class StepShape:
             n, start = len(s.token_ids), s.start_pos
             attn += n * start + n * (n + 1) // 2
             kv += start + n
-            if n == 1:
+            if n == 1 or s.num_draft_tokens:  # a decode; with drafts, they attend as a chunk after it
                 dec_ctx += start + 1
             if s.needs_logits:
                 sampled += 1 + s.num_draft_tokens

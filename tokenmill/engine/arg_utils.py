@@ -53,6 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority policy: seconds a request may wait before it is promoted ahead of all "
                         "others (default 30)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
+    add_speculative_args(g)
+    add_latency_args(p)
+
+
+def add_speculative_args(g, engine: bool = True) -> None:  # noqa: ANN001 -- an argparse group or parser
+    """The speculative-decoding flags: serve's, and (engine=False: what the draft model and the method are)
+    simulate's, which runs the same scheduler with a modelled acceptance."""
     g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (default off): ngram drafts tokens by prompt lookup over each "
                         "request's own tokens, draft by a smaller model (--speculative-model); the target "
@@ -63,13 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         ".gguf file or a Hugging Face folder with the target's tokenizer; e.g. the target with "
                         "--quantization none and the same file as drafter serves float outputs at close to "
                         "quantized speed")
-    g.add_argument("--speculative-quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
-                   help="the draft model's weights, as --quantization (default auto)")
     g.add_argument("--num-speculative-tokens", type=int, default=3,
                    help="most draft tokens per request and step (default 3)")
+    if not engine:
+        return
+    g.add_argument("--speculative-quantization", default="auto", choices=list(QUANTIZATION_CHOICES),
+                   help="the draft model's weights, as --quantization (default auto)")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix to match (default 2)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix to match (default 4)")
-    add_latency_args(p)
 
 
 def add_latency_args(p: argparse.ArgumentParser, step_cost_profile: bool = True) -> None:

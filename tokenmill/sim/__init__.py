@@ -4,6 +4,7 @@ the real scheduler (``core/``: Scheduler, KVCacheManager) driven by a clock that
 - ``hardware.py``: datasheet profiles (peak FLOP/s, memory bandwidth and size, interconnect).
 - ``cost.py``: step-time models behind one interface: a roofline from the model config and a profile,
   and a calibrated model fitted to step times measured on this machine (``tokenmill profile``).
+- ``spec.py``: speculative decoding: the drafter the real scheduler drives, and the acceptance model.
 - ``simulator.py``: the discrete-event loop; it emits the benchmark's own per-request results, so
   ``tokenmill bench``'s metrics, reports and plots come out of it unchanged.
 - ``cli.py``: ``tokenmill simulate`` and ``tokenmill profile``.

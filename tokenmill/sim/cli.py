@@ -10,10 +10,10 @@ from pathlib import Path
 
 SEARCH_STEPS = 8  # bisection steps of the rate search once a failing rate is bracketed
 
-
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.bench.serve import add_dataset_args
-    from tokenmill.engine.arg_utils import add_latency_args
+    from tokenmill.engine.arg_utils import add_latency_args, add_speculative_args
+    from tokenmill.sim.spec import DEFAULT_ACCEPTANCE
 
     g = p.add_argument_group("model and hardware")
     g.add_argument("--model", default="smollm2-135m-instruct",
@@ -41,6 +41,18 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     add_latency_args(p, step_cost_profile=False)  # the server's own planner and admission
+    g = p.add_argument_group(
+        "speculative decoding", "serve's flags (a --speculative-model may also be a config.json alone); the "
+        "scheduler's off rule, KV reservation and budget run as in the engine, the acceptance is modelled")
+    add_speculative_args(g, engine=False)  # serve's definitions of the method, draft model and draft count
+    g.add_argument("--speculative-acceptance-rate", "--spec-acceptance-rate", type=float, default=None,
+                   metavar="A", help="probability that a draft is accepted, each independently until the first "
+                                     "rejection: a step of k drafts gives (1 - A^(k+1)) / (1 - A) tokens on average "
+                                     f"(default {DEFAULT_ACCEPTANCE:g}: n-gram drafts on recurring text, "
+                                     "BENCHMARKS.md)")
+    g.add_argument("--speculative-weight-dtype", default=None,
+                   help="the draft model's weight bytes, as --weight-dtype (default: --weight-dtype); with "
+                        "--profile the ratio of the two prices a draft pass")
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--request-rate", type=float, default=None,
                    help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
@@ -87,34 +99,56 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     """(cost model, simulator, description) for one configuration's flags."""
     from tokenmill.config import SchedulerConfig, parse_memory
     from tokenmill.core.step_cost import CalibratedCost
-    from tokenmill.sim.cost import RooflineCost, ScaledCost, kv_bytes_per_token
+    from tokenmill.sim.cost import RooflineCost, ScaledCost, draft_weight_ratio, kv_bytes_per_token
     from tokenmill.sim.hardware import load_hardware
     from tokenmill.sim.simulator import Simulator
+    from tokenmill.sim.spec import DEFAULT_ACCEPTANCE, SpecDecoding
 
     cfg, name = model_config(a.model)
     max_len = a.max_model_len or cfg.max_position_embeddings
     if (a.hardware is None) == (a.profile is None):
         raise ValueError("give one of --hardware (a datasheet roofline) or --profile (a `tokenmill profile` file)")
+    method, draft_cfg = speculative(a, cfg, max_len)
+    drafter = None
     if a.profile is not None:
         cost = CalibratedCost.load(a.profile)
         kv_token = cost.meta.get("kv_bytes_per_token") or kv_bytes_per_token(cfg, "fp32")
         pool = cost.meta.get("kv_cache_bytes", 2**30)
         what = f"{name} on this machine (calibrated: {a.profile})"
         budget = 256
+        if draft_cfg is not None:  # the profile's step over the same shape, by the weight bytes it reads
+            ratio = draft_weight_ratio(cfg, draft_cfg, a.weight_dtype, a.speculative_weight_dtype or a.weight_dtype)
+            drafter = ScaledCost(cost, ratio)
+            kv_token += kv_token * kv_bytes_per_token(draft_cfg) / kv_bytes_per_token(cfg)  # its KV rides along
+            what += f"; draft passes at {ratio:.3g} x its steps"
     else:
         hw = load_hardware(a.hardware)
         cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size)
         kv_token = cost.kv_token_bytes
         pool = 0.9 * hw.memory_bytes * a.tensor_parallel_size - cost.weight_bytes
+        if draft_cfg is not None:  # its own roofline; its KV rides on the target's blocks, as in the engine
+            drafter = RooflineCost(draft_cfg, hw, a.speculative_weight_dtype or a.weight_dtype, a.kv_dtype,
+                                   tensor_parallel_size=a.tensor_parallel_size)
+            kv_token += drafter.kv_token_bytes
+            pool -= drafter.weight_bytes
         if pool <= 0:
-            raise ValueError(f"{name}'s weights ({cost.weight_bytes / 1e9:.1f} GB) do not fit in "
-                             f"{a.tensor_parallel_size} x {hw.name}; raise --tensor-parallel-size or lower "
-                             "--weight-dtype")
+            weights = cost.weight_bytes + (drafter.weight_bytes if drafter is not None else 0)
+            raise ValueError(f"{name}'s weights ({weights / 1e9:.1f} GB{' with the draft model' if drafter else ''}) "
+                             f"do not fit in {a.tensor_parallel_size} x {hw.name}; raise --tensor-parallel-size or "
+                             "lower --weight-dtype")
         what = f"{name} on {a.tensor_parallel_size} x {hw.name} (roofline; {hw.source})"
         budget = 8192
     if a.step_time_scale != 1.0:
         cost = ScaledCost(cost, a.step_time_scale)
+        drafter = ScaledCost(drafter, a.step_time_scale) if drafter is not None else None
         what += f", step times x {a.step_time_scale:g}"
+    spec = None
+    if method is not None:
+        acceptance = a.speculative_acceptance_rate
+        spec = SpecDecoding(method, a.num_speculative_tokens,
+                            DEFAULT_ACCEPTANCE if acceptance is None else acceptance, drafter)
+        what += (f"; speculative {method}{f' ({a.speculative_model})' if draft_cfg is not None else ''}, "
+                 f"up to {spec.k} drafts, acceptance {spec.acceptance:g}")
     if a.kv_cache_memory is not None:
         kind, value = parse_memory(a.kv_cache_memory)
         if kind != "bytes":
@@ -129,8 +163,40 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     sched = SchedulerConfig(max_num_seqs=a.max_num_seqs,
                             max_num_batched_tokens=a.max_num_batched_tokens or (None if plans else budget),
                             enable_chunked_prefill=a.enable_chunked_prefill, **targets)
-    sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True)
+    sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True,
+                    spec=spec)
     return cost, sim, what, kv_token
+
+
+def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN201
+    """(method or None, the draft model's ModelConfig or None) of the speculative flags, checked as the
+    engine checks them (config.SpeculativeConfig, and a draft model must share the target's vocabulary
+    and reach its context)."""
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.sim.cost import DTYPE_BYTES
+
+    sc = SpeculativeConfig(a.speculative_method, a.num_speculative_tokens, speculative_model=a.speculative_model)
+    if sc.speculative_method is None:
+        if a.speculative_acceptance_rate is not None:
+            raise ValueError("--speculative-acceptance-rate needs speculative decoding: pass --speculative-method "
+                             "ngram or --speculative-model")
+        return None, None
+    if a.speculative_weight_dtype is not None and a.speculative_weight_dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown --speculative-weight-dtype {a.speculative_weight_dtype!r}: one of "
+                         f"{', '.join(DTYPE_BYTES)}")
+    if sc.num_speculative_tokens >= max_len:
+        raise ValueError(f"--num-speculative-tokens {sc.num_speculative_tokens} leaves no room in the "
+                         f"{max_len}-token context; use fewer")
+    if sc.speculative_method != "draft":
+        return sc.speculative_method, None
+    draft, draft_name = model_config(sc.speculative_model)
+    if draft.vocab_size != cfg.vocab_size:
+        raise ValueError(f"--speculative-model {draft_name} has {draft.vocab_size} token ids, the target "
+                         f"{cfg.vocab_size}: a draft model must share the target's vocabulary")
+    if draft.max_position_embeddings < max_len:
+        raise ValueError(f"--speculative-model reaches {draft.max_position_embeddings} tokens of context, the "
+                         f"target {max_len}: pass --max-model-len {draft.max_position_embeddings} or less")
+    return "draft", draft
 
 
 def workload(a: argparse.Namespace):  # noqa: ANN201
@@ -233,6 +299,14 @@ def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  #
         total = (parts.get("prefill_s", 0) + parts.get("decode_s", 0)) or 1.0
         lines.append(f"where the time goes: prefill {100 * parts.get('prefill_s', 0) / total:.0f}%, decode "
                      f"{100 * parts.get('decode_s', 0) / total:.0f}% of the token-dependent step time")
+    if out.spec is not None:
+        sp = out.spec
+        busy = sum(s.duration for s in out.steps) or 1.0
+        drafting = sum(s.draft_s for s in out.steps)
+        lines.append(f"speculative decoding: {sp['spec_num_draft_tokens']} drafts, {100 * sp['spec_acceptance_rate']:.1f}% "
+                     f"accepted (vLLM's acceptance rate), mean acceptance length "
+                     f"{sp['spec_mean_acceptance_length']:.2f} tokens a drafted step; the draft model's passes "
+                     f"{100 * drafting / busy:.0f}% of step time")
     return "\n".join(lines)
 
 

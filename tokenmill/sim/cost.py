@@ -10,9 +10,26 @@ MLP width I, vocabulary V, over a step of T tokens of which S are sampled:
 - bytes = weights (read once a step) + KV read (each request's whole context once) + KV written (T);
 - time = max(FLOPs / peak, bytes / bandwidth) / tp-share + 2 L all-reduces of T d activations when
   tensor parallel (a ring: 2 (n - 1) / n of the bytes over the link, plus a latency per hop) + overhead.
+
+Speculative decoding, k drafts per decoding request, each accepted i.i.d. with probability A:
+- verification: the target's step carries 1 + k tokens per decoding request, each with logits, at the
+  request's context C (``verify_shape``): T = B (1 + k), S = B (1 + k), attention B ((1 + k) C +
+  (1 + k)(2 + k) / 2), KV read B (C + 1 + k); the weights are read once as before, so on a
+  bandwidth-bound decode a verification costs about what one token does;
+- drafting: n-gram lookup is free; a draft model runs ``draft_passes``: pass 0 over each request's
+  tokens it has no KV for (on first sight its whole context, then the token after the accepted drafts,
+  two when all were accepted), drafting the first token, then one pass per further draft, one token a
+  request, each priced by the draft model's own cost model (its roofline, or a calibrated profile's
+  prediction scaled by the draft/target weight bytes, ``draft_weight_ratio``);
+- tokens per step: accepted drafts plus the one the target samples after them,
+  E = 1 + A + ... + A^k = (1 - A^(k+1)) / (1 - A) (Leviathan et al. 2023, eq. 1), k + 1 at A = 1;
+- the off rule (spec_decode/policy.py) prices d drafts from the target's and the drafter's step times
+  over n tokens of one request at position 0 (``probe_shape``), as the engine times them at startup.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.step_cost import StepShape
@@ -111,3 +128,83 @@ class ScaledCost:
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         return {k: self.scale * v for k, v in self.inner.breakdown(s).items()}
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------
+
+def expected_tokens_per_step(acceptance: float, drafts: int) -> float:
+    """Tokens a request gets from a step with ``drafts`` drafts, each accepted i.i.d. with probability
+    ``acceptance`` until the first rejection: the accepted ones plus the target's own token,
+    (1 - A^(k+1)) / (1 - A)."""
+    if not 0.0 <= acceptance <= 1.0:
+        raise ValueError(f"an acceptance rate is a probability in [0, 1], got {acceptance}")
+    if acceptance == 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+
+
+def rows_shape(rows: Sequence[tuple[int, int]], drafted: bool = False) -> StepShape:
+    """The shape of one forward pass over rows of (tokens, start position), as ``StepShape.of`` reads a
+    scheduled step. A row of one token is a decode. Otherwise, with ``drafted``, a decode carrying
+    tokens - 1 drafts (logits at each, its first token's context a decode's); else a prefill chunk
+    (logits at its last token)."""
+    prefill = decode = sampled = attn = kv = dec_ctx = 0
+    for n, start in rows:
+        attn += n * start + n * (n + 1) // 2
+        kv += start + n
+        if n == 1 or drafted:
+            decode += n
+            dec_ctx += start + 1
+            sampled += n
+        else:
+            prefill += n
+            sampled += 1
+    return StepShape(prefill, decode, sampled, attn, kv, dec_ctx, len(rows))
+
+
+def verify_shape(batch: int, context: int, drafts: int) -> StepShape:
+    """The target's step for ``batch`` decoding requests with ``context`` tokens of KV each, verifying
+    ``drafts`` drafts each: 1 + drafts tokens a request from position ``context``, logits at every one
+    (what the scheduler schedules; ``StepShape.of`` of that step gives the same)."""
+    return rows_shape([(1 + drafts, context)] * batch, drafted=True)
+
+
+def draft_passes(rows: Sequence[tuple[int, int, int]]) -> list[StepShape]:
+    """A draft model's forward passes for one step, as ``DraftModelProposer.propose_batch`` runs them.
+    rows: (tokens it catches up on, their start position, drafts) per drafting request. Pass 0 runs each
+    request's catch-up tokens (logits at the last: the first draft); pass j > 0 feeds draft j back, one
+    token a request, for the requests drafting more than j."""
+    rows = [r for r in rows if r[2] > 0]
+    if not rows:
+        return []
+    passes = [rows_shape([(n, start) for n, start, _ in rows])]
+    for j in range(1, max(d for _, _, d in rows)):
+        passes.append(rows_shape([(1, start + n + j - 1) for n, start, d in rows if d > j]))
+    return passes
+
+
+def draft_weight_ratio(target: ModelConfig, draft: ModelConfig, target_dtype: str = "bf16",
+                       draft_dtype: str = "bf16") -> float:
+    """The draft model's weight bytes over the target's (linear layers and LM head, as the roofline
+    reads them): what a calibrated profile's step time is scaled by to price a drafter pass."""
+    def weights(cfg: ModelConfig, dtype: str) -> float:
+        return (cfg.num_layers * layer_params(cfg, active=False) + cfg.hidden_size * cfg.vocab_size) * DTYPE_BYTES[dtype]
+    return weights(draft, draft_dtype) / weights(target, target_dtype)
+
+
+def probe_shape(n: int) -> StepShape:
+    """The engine's off-rule probe (ModelRunner.time_forward): n tokens of one request at position 0,
+    logits at each."""
+    return StepShape(n, 0, n, n * (n + 1) // 2, n, 0, 1)
+
+
+def draft_cost_model(target: Callable[[StepShape], float], drafter: Callable[[StepShape], float] | None,
+                     k: int, max_model_len: int):  # noqa: ANN201 -- a spec_decode.policy.DraftCostModel
+    """The off rule's cost of d drafts against the batch, built as the engine builds it at startup
+    (engine/core.py ``_measure_draft_cost``): the target's and the drafter's times over the probe sizes,
+    here from the cost models instead of a stopwatch. drafter None: drafting is free (n-gram)."""
+    from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
+
+    sizes = sorted({min(n, max_model_len) for n in PROBE_SIZES})
+    curve = lambda cost: {n: cost(probe_shape(n)) for n in sizes}  # noqa: E731
+    return DraftCostModel(curve(target), curve(drafter) if drafter is not None else None, k)
