@@ -4,8 +4,8 @@ The embedded SmolLM2-135M-Instruct GGUF (Q4_1/Q8_0) is requantized as llama-quan
 does for Q6_K and Q4_K_M (tests/kquants.py: round-to-nearest blocks, llama.cpp's type recipe and its
 fallbacks for rows not a multiple of 256). For each file: perplexity on tinyshakespeare with the weights
 dequantized to float32 (`--quantization none`: the file's own quality) and in the default mode (the
-kernels on the file's blocks, converted where needed), the weights' resident bytes, and single-stream
-decode plus 512-token prefill speed in the default mode, all files in one run.
+kernels on the file's own Q8_0/Q4_1/Q5_0/Q4_K/Q6_K blocks, exactly), the weights' resident bytes, and
+single-stream decode plus 512-token prefill speed in the default mode, all files in one run.
 
     python benchmarks/kquants.py --text ../shared/data/tinyshakespeare.txt
 """

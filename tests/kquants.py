@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 QK_K = 256
-BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_0": 22}
 # where each type keeps its fp16 super-block scale(s) (random bytes there would be NaN or huge)
-SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,)}
+BLOCK_WEIGHTS = {"Q5_0": 32}  # weights per block where not a super-block of 256
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -64,9 +65,10 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 
 def random_blocks(kind: str, rows: int, k: int, seed: int = 0, scale: float = 1e-3) -> np.ndarray:
-    """Random bytes as [rows, K / 256 * bytes] blocks of ``kind``, with small positive fp16 scales."""
+    """Random bytes as [rows, K / 256 * bytes] blocks of ``kind`` (Q5_0: K / 32), with small positive fp16
+    scales."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * k // QK_K, BLOCK_BYTES[kind]), dtype=np.uint8)
+    blocks = rng.integers(0, 256, size=(rows * k // BLOCK_WEIGHTS.get(kind, QK_K), BLOCK_BYTES[kind]), dtype=np.uint8)
     for off in SCALE_OFFSETS[kind]:
         blocks[:, off:off + 2] = _f16_bytes(rng.uniform(0.2, 1.0, len(blocks)) * scale)
     return blocks.reshape(rows, -1)

@@ -103,10 +103,10 @@ class TorchPagedAttention:
         else:
             fresh = []
             for i, x in enumerate((k, v)):
-                values, scale = quantize_kv(x, kv[i].dtype)
+                values, row_scale = quantize_kv(x, kv[i].dtype)
                 kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, values)
-                kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
-                fresh.append(dequantize_kv(values, scale, q.dtype))  # what the cache will give back
+                kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, row_scale)
+                fresh.append(dequantize_kv(values, row_scale, q.dtype))  # what the cache will give back
             k, v = fresh
         if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda and not window and not softcap:
             # reads the cache in place (a quantized one dequantized row by row, as gather_kv would)
@@ -123,9 +123,10 @@ class TorchPagedAttention:
         return out
 
     @staticmethod
-    def _decode(q, kv, meta, group, scale, window, softcap):
+    def _decode(q, kv, meta, group, scale=None, window=0, softcap=None):
         b, h, d = q.shape
         hkv = kv[0].shape[2]
+        scale = d ** -0.5 if scale is None else scale
         n_blk = -(-meta.decode_max_len // kv[0].shape[1])
         tables = meta.decode_block_tables[:, :n_blk]
         # [B, n_blk, bs, Hkv, D] -> [B, Hkv, L, D]
@@ -140,8 +141,9 @@ class TorchPagedAttention:
         return o.reshape(b, h, d)
 
     @staticmethod
-    def _prefill(q, k, v, kv, c: PrefillChunk, group, scale, window, softcap):
+    def _prefill(q, k, v, kv, c: PrefillChunk, group, scale=None, window=0, softcap=None):
         n, h, d = q.shape
+        scale = d ** -0.5 if scale is None else scale
         if c.context_len == 0:
             keys, vals = k, v  # nothing cached before this chunk: use the fresh K/V directly
         else:

@@ -1,26 +1,36 @@
 """Quantized weights in GGUF's block formats, their quantizers, and pure-torch reference ops.
 
-A ``QuantizedTensor`` is a weight matrix [N, K] stored as N rows of K/32 blocks, byte for byte
-in one of two GGUF block layouts (32 weights along K per block):
+A ``QuantizedTensor`` is a weight matrix [N, K] stored as N rows of blocks along K, byte for byte
+in one of these GGUF block layouts (blocks of 32 weights; the K-quants' super-blocks of 256 hold 8
+sub-blocks of 32, or of 16 for Q6_K, whose scales their header keeps):
 
 - ``q8_0``: fp16 scale d, 32 int8 q; w = d * q (34 bytes: 8.5 bits per weight)
 - ``q4_1``: fp16 scale d, fp16 min m, 16 bytes of nibbles; w = d * q + m, q in [0, 15]
   (20 bytes: 5 bits per weight). Weight j of a block is the low nibble of byte j, weight j + 16
   the high nibble.
+- ``q5_0``: fp16 d, 4 bytes qh, 16 bytes of nibbles; w = d * (q - 16), q in [0, 31]: nibbles as
+  q4_1's, bit j of qh the fifth bit of weight j (22 bytes: 5.5 bits per weight)
+- ``q4_k``: per 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins m (one each per sub-block
+  of 32), 128 bytes of nibbles; w = d sc q - dmin m (144 bytes: 4.5 bits per weight)
+- ``q5_k``: ``q4_k`` plus 32 bytes of fifth bits (176 bytes: 5.5 bits per weight)
+- ``q6_k``: per 256: 6-bit q (128 bytes of low nibbles, 64 of high pairs), int8 scales sc (one per 16),
+  fp16 d; w = d sc (q - 32) (210 bytes: 6.5625 bits per weight)
 
 ``--quantization int8`` quantizes float weights to ``q8_0`` with one scale per output channel
 (every block of a row shares it); ``int4`` to ``q4_1`` per group of 32 (scale and zero point);
-``gguf`` keeps a GGUF file's own Q8_0 and Q4_1 blocks as they are, and turns Q4_0 into Q4_1
-without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0.
+``gguf`` keeps a GGUF file's own Q8_0, Q4_1, Q5_0, Q4_K, Q5_K and Q6_K blocks as they are, and turns
+Q4_0 into Q4_1 without loss (m = -8 d); a weight stored in any other type is quantized to Q8_0. The
+K-quants run exactly: a sub-block's scale d sc (and min dmin m) is exact in float32, so the kernels
+scale by the file's own values.
 
 The fast path is ``torch.ops.tokenmill.qlinear`` (``csrc/cpu_kernels.cpp``): activations are
 quantized per token and per block of 32 to int16 (32767 steps: the weights' own rounding is then all the
 error there is, as in weight-only quantization) and multiplied on integer units, one arithmetic for
 every batch size, so a token's result never depends on what else is in the batch. It reads the
-same bytes reordered within each row (``QuantizedTensor.kernel_layout()``: the row's scales, then
-its quants), which is how ``QuantizedLinear`` stores them. The functions here are its exact torch
-emulation (``ref_qlinear``, used by the tests) and the dequantize path that serves devices
-without the kernels (``dequantize``).
+same bytes reordered within each row (``QuantizedTensor.kernel_layout()``: for q8_0, q4_1 and q5_0 the
+row's scales, then its quants; the K-quants' super-blocks as they are), which is how ``QuantizedLinear``
+stores them. The functions here are its exact torch emulation (``ref_qlinear``, bit for bit, used by the
+tests) and the dequantize path that serves devices without the kernels (``dequantize``).
 """
 
 from __future__ import annotations
@@ -33,23 +43,26 @@ from tokenmill.config import QUANTIZATIONS
 from tokenmill.layers.kernels import cpu_kernels
 
 QK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_1": 20}
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1}  # the kernel's fmt argument
+QK_K = 256  # a K-quant super-block
+BLOCK_WEIGHTS = {"q8_0": QK, "q4_1": QK, "q5_0": QK, "q4_k": QK_K, "q5_k": QK_K, "q6_k": QK_K}
+BLOCK_BYTES = {"q8_0": 34, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # per block
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q5_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernel's fmt argument
+_HEADS = {"q8_0": 2, "q4_1": 4, "q5_0": 2}  # bytes of fp16 scale (and min) that kernel_layout moves to the front
 
 
 @dataclass
 class QuantizedTensor:
-    data: torch.Tensor  # uint8 [N, K / 32 * block bytes]
-    fmt: str  # "q8_0" | "q4_1"
+    data: torch.Tensor  # uint8 [N, K / block weights * block bytes]
+    fmt: str  # a FORMAT_IDS key
     shape: tuple[int, int]  # (N, K) of the float matrix it stands for
 
     def __post_init__(self) -> None:
         n, k = self.shape
         if self.fmt not in BLOCK_BYTES:
             raise ValueError(f"unknown quantized format {self.fmt!r} (known: {', '.join(BLOCK_BYTES)})")
-        if k % QK:
-            raise ValueError(f"quantized weights need in_features divisible by {QK}, got {k}")
-        want = (n, k // QK * BLOCK_BYTES[self.fmt])
+        if k % BLOCK_WEIGHTS[self.fmt]:
+            raise ValueError(f"{self.fmt} weights need in_features divisible by {BLOCK_WEIGHTS[self.fmt]}, got {k}")
+        want = (n, k // BLOCK_WEIGHTS[self.fmt] * BLOCK_BYTES[self.fmt])
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise ValueError(f"{self.fmt} data for a [{n}, {k}] matrix must be uint8 {want}, "
                              f"got {self.data.dtype} {tuple(self.data.shape)}")
@@ -60,7 +73,7 @@ class QuantizedTensor:
 
     def blocks(self) -> torch.Tensor:
         n, k = self.shape
-        return self.data.view(n, k // QK, BLOCK_BYTES[self.fmt])
+        return self.data.view(n, k // BLOCK_WEIGHTS[self.fmt], BLOCK_BYTES[self.fmt])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(self.data, self.fmt, self.shape[1]).to(dtype)
@@ -69,19 +82,26 @@ class QuantizedTensor:
         return QuantizedTensor(self.data.to(device), self.fmt, self.shape)
 
     def kernel_layout(self) -> torch.Tensor:
-        """The same bytes as the kernels take them: each row's fp16 scales (then, for q4_1, its fp16
-        mins), then its quants, so that eight scales load at once (see csrc/cpu_kernels.cpp)."""
+        """The same bytes as the kernels take them (a new tensor): for q8_0, q4_1 and q5_0 each row's fp16
+        scales (then, for q4_1, its fp16 mins), then its quants, so that eight scales load at once; the
+        K-quants' super-blocks as they are (each header holds its eight sub-blocks' scales). See
+        csrc/cpu_kernels.cpp."""
+        if self.fmt not in _HEADS:
+            return self.data.contiguous().clone()
         blk = self.blocks()
-        heads = [blk[..., 0:2], blk[..., 2:4]] if self.fmt == "q4_1" else [blk[..., 0:2]]  # d (and m)
-        quants = blk[..., 2 * len(heads):]
+        cut = _HEADS[self.fmt]
+        heads = [blk[..., i:i + 2] for i in range(0, cut, 2)]  # d (and m)
+        quants = blk[..., cut:]
         return torch.cat([p.reshape(self.shape[0], -1) for p in [*heads, quants]], 1).contiguous()
 
     @classmethod
     def from_kernel_layout(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "QuantizedTensor":
         """Inverse of ``kernel_layout``."""
+        if fmt not in _HEADS:
+            return cls(data.contiguous(), fmt, shape)
         n, k = shape
         nb = k // QK
-        cut = 4 if fmt == "q4_1" else 2
+        cut = _HEADS[fmt]
         heads = [data[:, 2 * nb * i: 2 * nb * (i + 1)].reshape(n, nb, 2) for i in range(cut // 2)]
         quants = data[:, cut * nb:].reshape(n, nb, BLOCK_BYTES[fmt] - cut)
         return cls(torch.cat([*heads, quants], -1).reshape(n, -1).contiguous(), fmt, shape)
@@ -92,19 +112,68 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def dequantize_rows(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
-    """uint8 [..., K/32 * bytes] blocks -> float32 [..., K]."""
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] (weight j the low nibble of byte j, weight j + 16 its high nibble)."""
+    return torch.cat([b & 0x0F, b >> 4], dim=-1)
+
+
+def _bits(b: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., n / 8] bytes -> [..., n] of 0/1: bit j of the little-endian bytes."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((b[..., :, None] >> shifts) & 1).reshape(*b.shape[:-1], n)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 scale bytes [..., 12] -> (sc, m) [..., 8] uint8 (gguf's Q4_K.get_scale_min)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def decode_blocks(data: torch.Tensor, fmt: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """uint8 [..., blocks bytes] (GGUF layout) -> per block of 32 weights: (q float32 [..., K/32, 32] the
+    integers the kernels multiply, scale float32 [..., K/32, 1] (q6_k: [..., K/32, 2], one per 16 weights),
+    min float32 [..., K/32] or None), w = scale * q + min. Every scale and min is exact in float32 (a
+    K-quant's d sc is an fp16 times a small integer), as the kernels compute them."""
     lead = data.shape[:-1]
-    blk = data.reshape(*lead, k // QK, BLOCK_BYTES[fmt])
-    d = _f16(blk[..., 0:2])[..., None]
+    blk = data.reshape(*lead, k // BLOCK_WEIGHTS[fmt], BLOCK_BYTES[fmt])
+    nb = k // QK
     if fmt == "q8_0":
-        q = blk[..., 2:].contiguous().view(torch.int8).float()
-        w = d * q
-    else:
-        m = _f16(blk[..., 2:4])[..., None]
-        nib = blk[..., 4:]
-        q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
-        w = d * q + m
+        return blk[..., 2:].contiguous().view(torch.int8).float(), _f16(blk[..., 0:2])[..., None], None
+    if fmt == "q4_1":
+        return _nibbles(blk[..., 4:]).float(), _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])
+    if fmt == "q5_0":
+        q = _nibbles(blk[..., 6:]) | (_bits(blk[..., 2:6], 32) << 4)
+        return q.float() - 16, _f16(blk[..., 0:2])[..., None], None
+    if fmt in ("q4_k", "q5_k"):
+        d, dmin = _f16(blk[..., 0:2])[..., None], _f16(blk[..., 2:4])[..., None]
+        sc, mn = _k_scales(blk[..., 4:16])
+        off = 16 if fmt == "q4_k" else 48
+        qs = blk[..., off:off + 128].reshape(*lead, -1, 4, 1, 32)  # sub-block 2c + h: nibble h of chunk c
+        q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F).reshape(*lead, nb, 32)
+        if fmt == "q5_k":  # bit j of qh[l]: the fifth bit of sub-block j's weight l
+            qh = blk[..., 16:48].reshape(*lead, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+            q = q | ((qh & 1) << 4).reshape(*lead, nb, 32)
+        scale = (d * sc.float()).reshape(*lead, nb, 1)
+        low = -(dmin * mn.float()).reshape(*lead, nb)
+        return q.float(), scale, low
+    assert fmt == "q6_k", fmt
+    ql = blk[..., 0:128].reshape(*lead, -1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    qh = blk[..., 128:192].reshape(*lead, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    q = (ql & 0x0F).reshape(*lead, nb, 32) | ((qh & 0x03) << 4).reshape(*lead, nb, 32)
+    sc = blk[..., 192:208].contiguous().view(torch.int8).float()
+    scale = (_f16(blk[..., 208:210])[..., None] * sc).reshape(*lead, nb, 2)
+    return q.float() - 32, scale, None
+
+
+def dequantize_rows(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """uint8 [..., blocks bytes] (GGUF layout) -> float32 [..., K]: gguf-py's values, bit for bit."""
+    lead = data.shape[:-1]
+    q, scale, low = decode_blocks(data, fmt, k)
+    w = (q.view(*q.shape[:-1], scale.shape[-1], -1) * scale[..., None]).view(q.shape)
+    if low is not None:
+        w = w + low[..., None]
     return w.reshape(*lead, k)
 
 
@@ -164,33 +233,6 @@ def q4_0_to_q4_1(raw: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(*lead, k // QK * 20).contiguous()
 
 
-QK_K = 256  # a K-quant super-block
-
-
-def q4_k_to_q4_1(raw: torch.Tensor, k: int) -> torch.Tensor:
-    """GGUF Q4_K rows as Q4_1 rows. A Q4_K super-block (fp16 d and dmin, 6-bit scale sc and min m for each
-    of its 8 sub-blocks of 32, 4-bit q; w = d sc q - dmin m) is 8 Q4_1 blocks with d' = d sc and
-    m' = -dmin m. The quants move over unchanged; d' and m' are rounded to fp16 (d sc has up to 17
-    significant bits): a relative change of at most 2^-11 in a sub-block's scale and min, 5.0 bits per
-    weight instead of 4.5. ValueError if a product overflows fp16."""
-    import numpy as np
-    from gguf.quants import Q4_K
-
-    lead = raw.shape[:-1]
-    blk = raw.reshape(-1, 144)
-    d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
-    sc, mn = (torch.from_numpy(x.astype(np.float32)) for x in Q4_K.get_scale_min(blk[:, 4:16].numpy()))
-    scale, low = d[:, None] * sc, -dmin[:, None] * mn  # [blocks, 8], exact in float32
-    if torch.isinf(scale.to(torch.float16)).any() or torch.isinf(low.to(torch.float16)).any():
-        raise ValueError("a Q4_K scale is too large for an fp16 Q4_1 block")
-    # sub-block 2c + h is nibble h of bytes 32c .. 32c + 31; Q4_1 wants weight j low, j + 16 high in byte j
-    qs = blk[:, 16:].reshape(-1, 4, 1, 32)
-    q = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F).reshape(-1, 8, 32)
-    nib = q[..., :16] | (q[..., 16:] << 4)
-    out = torch.cat([_pack_f16(scale), _pack_f16(low), nib], dim=-1)  # [blocks, 8, 20]
-    return out.reshape(*lead, k // QK * 20).contiguous()
-
-
 def q5_0_to_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
     """GGUF Q5_0 rows (fp16 d, 32 high bits, 16 nibble bytes; w = d (q - 16)) as Q8_0 rows, exactly:
     q - 16 is an int8 under the same d (8.5 bits per weight instead of 5.5)."""
@@ -203,6 +245,36 @@ def q5_0_to_q8_0(raw: torch.Tensor, k: int) -> torch.Tensor:
     q = (low | (bits << 4)).to(torch.int16) - 16
     out = torch.cat([blk[:, 0:2], q.to(torch.int8).view(torch.uint8)], dim=-1)
     return out.reshape(*lead, k // QK * 34).contiguous()
+
+
+def q4_k_to_q5_k(raw: torch.Tensor, k: int) -> torch.Tensor:
+    """GGUF Q4_K rows as Q5_K rows, exactly: the same header and nibbles, every fifth bit 0."""
+    lead = raw.shape[:-1]
+    blk = raw.reshape(-1, 144)
+    out = torch.cat([blk[:, 0:16], torch.zeros(len(blk), 32, dtype=torch.uint8), blk[:, 16:]], dim=-1)
+    return out.reshape(*lead, k // QK_K * 176).contiguous()
+
+
+# Exact conversions between kept formats, for a fused layer whose parts a file stores in different ones
+# (llama.cpp's recipes give v_proj more bits than q and k; rows not a multiple of 256 fall back to Q5_0 or
+# Q8_0): (from, to) -> the converter of GGUF block rows.
+_EXACT = {("q5_0", "q8_0"): q5_0_to_q8_0, ("q4_k", "q5_k"): q4_k_to_q5_k}
+
+
+def common_format(fmts) -> str | None:
+    """The format that weights in ``fmts`` can all be held in exactly (one of them), or None."""
+    fmts = set(fmts)
+    for to in sorted(fmts):
+        if all(f == to or (f, to) in _EXACT for f in fmts):
+            return to
+    return None
+
+
+def to_format(w: QuantizedTensor, fmt: str) -> QuantizedTensor:
+    """``w`` in ``fmt``, exactly (see common_format)."""
+    if w.fmt == fmt:
+        return w
+    return QuantizedTensor(_EXACT[(w.fmt, fmt)](w.data, w.shape[1]), fmt, w.shape)
 
 
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
@@ -225,31 +297,62 @@ def ref_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q.to(torch.int16).reshape(m, k), d, d * q.sum(-1)
 
 
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 a * b + c rounded once, as an FMA instruction does. a * b is exact in float64; the float64
+    sum is made round-to-odd (its rounding error from TwoSum; on an inexact even result, one step toward
+    the exact value), which then rounds to float32 as the exact sum would (53 >= 2 * 24 + 2 bits)."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bp = s - c
+    err = (p - bp) + (c - (s - bp))
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s).float()
+
+
 def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
-    """y = x W^T with int16 activations, as ``torch.ops.tokenmill.qlinear`` computes it (up to fp32
-    summation order)."""
+    """y = x W^T with int16 activations, exactly as ``torch.ops.tokenmill.qlinear`` computes it, bit for
+    bit: per (token, row) eight float32 accumulators, lane j taking blocks j, j + 8, ... (the short last
+    group padded with zeros), each block one FMA of its exact integer sum by d_w * d_x (q6_k: one per
+    half, first then second), after the min term's FMA m_w * d_x * sum(q_x) where there is one; then the
+    kernels' tree over the eight lanes."""
     n, k = w.shape
     lead = x.shape[:-1]
     q, dx, sx = ref_quantize_activations(x.reshape(-1, k))
-    blk = w.blocks()
-    dw = _f16(blk[..., 0:2])  # [N, nb]
-    if w.fmt == "q8_0":
-        qw = blk[..., 2:].contiguous().view(torch.int8).float()
-    else:
-        nib = blk[..., 4:]
-        qw = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()
-    # integer dot per (token, row, block): exact in float64 (|sum| < 2^31), as in the kernel's int32 lanes
-    isum = torch.einsum("mbk,nbk->mnb", q.double().view(-1, k // QK, QK), qw.double()).float()
-    y = ((isum * dx[:, None, :]) * dw[None]).sum(-1)
-    if w.fmt == "q4_1":
-        y = y + sx @ _f16(blk[..., 2:4]).t()
+    m, nb = q.shape[0], k // QK
+    qw, dw, mw = decode_blocks(w.data, w.fmt, k)  # [N, nb, 32], [N, nb, S], [N, nb] or None
+    halves = dw.shape[-1]
+    # the integer dot per (token, row, block or half) is exact in float64 (|sum| < 2^31), as in the kernel's
+    # int32 lanes; one rounding to float32, as its conversion does
+    isum = torch.einsum("mbsk,nbsk->mnbs", q.double().view(m, nb, halves, -1),
+                        qw.double().view(n, nb, halves, -1)).float()
+    isum, dw, dx, sx = _groups(isum, 2), _groups(dw, 1), _groups(dx, 1), _groups(sx, 1)
+    mw = None if mw is None else _groups(mw, 1)
+    acc = torch.zeros(m, n, 8)
+    for g in range(dx.shape[1]):
+        if mw is not None:
+            acc = _fma(mw[None, :, g], sx[:, None, g], acc)
+        for h in range(halves):
+            acc = _fma(isum[:, :, g, :, h], dw[None, :, g, :, h] * dx[:, None, g], acc)
+    a = acc.unbind(-1)
+    y = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
     return y.reshape(*lead, n)
+
+
+def _groups(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Blocks along ``dim`` as (groups, 8), the last group padded with zeros, as the kernels group them."""
+    pad = -t.shape[dim] % 8
+    if pad:
+        shape = list(t.shape)
+        shape[dim] = pad
+        t = torch.cat([t, t.new_zeros(shape)], dim)
+    return t.unflatten(dim, (-1, 8))
 
 
 # ---- the layer --------------------------------------------------------------------------------
 
 class QuantizedLinear(torch.nn.Module):
-    """y = x W^T + b with W in q8_0 or q4_1 blocks.
+    """y = x W^T + b with W in one of the block formats above (FORMAT_IDS).
 
     On the CPU it runs ``torch.ops.tokenmill.qlinear`` (integer dot products on the blocks). Where
     the kernels cannot run (another device, or no compiler) it dequantizes W once, on first use,

@@ -17,7 +17,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.models.gguf_reader import GGUFError, open_gguf  # noqa: F401 -- re-exported
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "phi3")  # (Mistral's files say "llama")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Every type gguf-py dequantizes that llama.cpp's quantize recipes write for weights (the K_M/K_S mixes
 # included). IQ* (importance-matrix codebooks), TQ* and MXFP4 are refused with this list.
@@ -33,6 +33,15 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused in the checkpoint already
+}
+# where a family names a tensor differently: Gemma 2's four norms, Phi-3's fused gate/up (its "ffn_up")
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -89,6 +98,14 @@ def gguf_model_config(reader) -> ModelConfig:
     if "rope_freqs.weight" in tensors:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"rope_type": "freq_factors", "factors": torch.from_numpy(np.array(factors.data, dtype=np.float32))}
+    windows = ()
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    if window:  # Gemma 2 slides on even layers (llama.cpp's pattern), other families on every layer
+        windows = tuple(window if arch != "gemma2" or i % 2 == 0 else 0 for i in range(int(need("block_count"))))
+    gemma = arch == "gemma2"
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    # llama.cpp's Gemma 2 scale: 1/sqrt(head_dim), except the 27B (46 layers) which uses hidden/heads
+    query_scale = ((hidden // heads if int(need("block_count")) == 46 else head_dim) ** -0.5) if gemma else None
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -97,20 +114,34 @@ def gguf_model_config(reader) -> ModelConfig:
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(need("context_length")),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        qk_norm=_qk_norm(reader, head_dim),
+        layer_windows=windows,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        sandwich_norms=gemma,
+        embed_scale=hidden ** 0.5 if gemma else 1.0,
+        query_scale=query_scale,
+        attn_logit_softcap=_field(reader, f"{arch}.attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=_field(reader, f"{arch}.final_logit_softcapping") if gemma else None,
     )
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _qk_norm(reader, head_dim: int) -> str:
+    """"head" where the q norm is one head wide (Qwen3), "all" where it spans every head, "" without one."""
+    t = next((t for t in reader.tensors if t.name == "blk.0.attn_q_norm.weight"), None)
+    return "" if t is None else "head" if int(t.shape[0]) == head_dim else "all"
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        base = _LAYER_NAMES.get(parts[2])
+        base = _ARCH_LAYER_NAMES.get(arch, {}).get(parts[2]) or _LAYER_NAMES.get(parts[2])
         return None if base is None else f"model.layers.{parts[1]}.{base}.{parts[3]}"
     base = _TOP_NAMES.get(parts[0])
     return None if base is None else f"{base}.{parts[1]}"
@@ -139,7 +170,7 @@ def gguf_weights(reader, cfg: ModelConfig,
     """Every tensor as float32 under its Hugging Face name; those named in ``skip`` (kept as quantized
     blocks, so never read as floats) come as None: not dequantized, not copied anywhere."""
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg.architecture)
         if name is None:
             if t.name == "rope_freqs.weight":
                 continue
@@ -157,10 +188,11 @@ def gguf_weights(reader, cfg: ModelConfig,
         yield name, w
 
 
-# --quantization gguf runs these on their own blocks: Q8_0 and Q4_1 as they are, Q4_0 as Q4_1 and Q5_0 as
-# Q8_0 exactly, Q4_K as Q4_1 with each sub-block's scale and min rounded to fp16 (layers/quant.py). Any
-# other quantized type is dequantized and quantized to Q8_0.
-KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1", "Q5_0": "q8_0", "Q4_K": "q4_1"}
+# --quantization gguf runs these on their own blocks, exactly (layers/quant.py): Q8_0, Q4_1, Q5_0, Q4_K,
+# Q5_K and Q6_K as they are (the weights take the file's bytes), Q4_0 as Q4_1 (m = -8 d). Any other
+# quantized type (Q5_1, Q2_K, Q3_K) is dequantized and quantized to Q8_0.
+KEPT_TYPES = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k", "Q5_K": "q5_k",
+              "Q6_K": "q6_k"}
 
 
 def gguf_layers_quantized(reader) -> bool:
@@ -172,14 +204,14 @@ def gguf_layers_quantized(reader) -> bool:
 
 def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
     """The 2-D tensors stored in a KEPT_TYPES type, as QuantizedTensors under their Hugging Face names, in
-    the kernels' Q8_0 or Q4_1 (converted as KEPT_TYPES says; q/k rows un-permuted like the float path)."""
-    from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1, q4_k_to_q4_1, q5_0_to_q8_0
+    the kernels' formats (converted as KEPT_TYPES says; q/k rows un-permuted like the float path)."""
+    from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1
 
-    convert = {"Q4_0": q4_0_to_q4_1, "Q5_0": q5_0_to_q8_0, "Q4_K": q4_k_to_q4_1}
+    convert = {"Q4_0": q4_0_to_q4_1}
     out = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg.architecture)
         if kind not in KEPT_TYPES or name is None or len(t.shape) != 2:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first

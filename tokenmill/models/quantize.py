@@ -2,8 +2,9 @@
 ``none`` on the CPU kernels, for float32 ones in one summation order (``panel_model``).
 
 ``int8``/``int4`` quantize the float weights; ``gguf`` keeps the file's own blocks where they are in
-a kept format (fused q/k/v and gate/up need all parts in the same one) and quantizes the rest to
-Q8_0. Embedding lookups stay float: they read one row per token, not the whole matrix.
+a kept format (fused q/k/v and gate/up need all parts in one format, or in formats that convert to one
+of them exactly: Q5_0 into Q8_0, Q4_K into Q5_K) and quantizes the rest to Q8_0. Embedding lookups stay
+float: they read one row per token, not the whole matrix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from tokenmill.layers.panel_linear import PanelLinear
 from tokenmill.layers.quant import (QUANTIZATIONS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, cat_rows,
-                                    quantize_weight)
+                                    common_format, quantize_weight, to_format)
 
 logger = logging.getLogger("tokenmill")
 
@@ -26,9 +27,27 @@ _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.down_proj": ("mlp.down_proj",)}
 
 
+def _part_names(raw: dict, i: int, path: str, sources: tuple[str, ...]) -> list[str]:
+    """The checkpoint weights fused module ``path`` of layer i stacks: the module's own name where the file
+    stores it fused already (Phi-3's attn_qkv and gate/up), else its parts."""
+    fused = f"model.layers.{i}.{path}.weight"
+    return [fused] if fused in raw else [f"model.layers.{i}.{s}.weight" for s in sources]
+
+
+def _paths(layer) -> dict[str, tuple[str, ...]]:
+    """The fused linear layers of a decoder layer this module swaps. A mixture-of-experts MLP keeps its
+    experts, router and shared expert as they are (float: no quantized expert kernels yet)."""
+    from tokenmill.layers.moe import SparseMoE
+
+    if isinstance(layer.mlp, SparseMoE):
+        return {p: s for p, s in _FUSED.items() if not p.startswith("mlp.")}
+    return _FUSED
+
+
 def _keeps(parts: list[QuantizedTensor | None]) -> bool:
-    """Whether gguf mode uses the file's own blocks for a (fused) layer: all parts kept, in one format."""
-    return all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1
+    """Whether gguf mode uses the file's own blocks for a (fused) layer: all parts kept, in one format or in
+    formats one of them holds exactly (a Q5_0 q/k with a Q8_0 v runs all as Q8_0)."""
+    return all(p is not None for p in parts) and common_format(p.fmt for p in parts) is not None
 
 
 def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bool = False) -> set[str]:
@@ -37,8 +56,8 @@ def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bo
     (QuantizedEmbedding), so it is not read as floats either."""
     names = set()
     for i in range(num_layers):
-        for sources in _FUSED.values():
-            parts = [f"model.layers.{i}.{s}.weight" for s in sources]
+        for path, sources in _FUSED.items():
+            parts = _part_names(raw, i, path, sources)
             if _keeps([raw.get(n) for n in parts]):
                 names.update(parts)
     if "lm_head.weight" in raw:
@@ -51,6 +70,8 @@ def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bo
 def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None], mode: str) -> tuple[QuantizedTensor, bool]:
     """(the weight to use, whether it is the file's own blocks)."""
     if mode == "gguf" and _keeps(parts):
+        fmt = common_format(p.fmt for p in parts)
+        parts = [to_format(p, fmt) for p in parts]
         return (cat_rows(parts) if len(parts) > 1 else parts[0]), True
     return quantize_weight(float_w, mode), False
 
@@ -70,12 +91,15 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
     if model.cfg.hidden_size % 32 or model.cfg.intermediate_size % 32:
         raise ValueError("quantized weights need hidden and intermediate sizes divisible by 32")
     requantized = 0
+    if model.cfg.num_experts:
+        logger.warning("--quantization %s: the experts of a mixture-of-experts model stay in float; attention "
+                       "and dense layers are quantized", mode)
     for i, layer in enumerate(model.layers):
-        for path, sources in _FUSED.items():
+        for path, sources in _paths(layer).items():
             owner_name, attr = path.rsplit(".", 1)
             owner = layer.get_submodule(owner_name)
             lin = getattr(owner, attr)
-            parts = [raw.get(f"model.layers.{i}.{s}.weight") for s in sources]
+            parts = [raw.get(n) for n in _part_names(raw, i, path, sources)]
             qw, kept = _pick(lin.weight.data, parts, mode)
             requantized += mode == "gguf" and not kept
             setattr(owner, attr, QuantizedLinear(qw, lin.bias))
@@ -96,7 +120,7 @@ def panel_model(model, ops) -> None:
     PanelLinear (float32, the same bits for a row whatever the batch). The embedding stays for lookups;
     a tied head gets its own panel copy of it."""
     for layer in model.layers:
-        for path in _FUSED:
+        for path in _paths(layer):
             owner_name, attr = path.rsplit(".", 1)
             owner = layer.get_submodule(owner_name)
             lin = getattr(owner, attr)

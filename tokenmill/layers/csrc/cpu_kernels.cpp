@@ -1,13 +1,24 @@
 // tokenmill CPU kernels (x86-64 AVX2 + FMA + F16C), registered as torch.ops.tokenmill.*.
 //
-// Quantized linear layers hold GGUF's block formats (32 weights per block, along K):
-//   Q8_0: fp16 d, int8 q[32]                      34 bytes, w = d * q
-//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles     20 bytes, w = d * q + m, q in [0, 15];
-//         weight j of the block is the low nibble of byte j, weight j + 16 its high nibble.
+// Quantized linear layers hold GGUF's block formats (weights along K in blocks of 32; the K-quants in
+// super-blocks of 256 = 8 blocks of 32), with the format ids of quant.py's FORMAT_IDS:
+//   0 Q8_0: fp16 d, int8 q[32]                             34 bytes, w = d * q
+//   1 Q4_1: fp16 d, fp16 m, 16 bytes of nibbles            20 bytes, w = d * q + m, q in [0, 15];
+//           weight j of the block is the low nibble of byte j, weight j + 16 its high nibble.
+//   2 Q5_0: fp16 d, 4 bytes qh, 16 bytes of nibbles        22 bytes, w = d * (q - 16), q in [0, 31]: the
+//           nibbles as Q4_1's, bit j of qh (little-endian uint32) the fifth bit of weight j.
+//   3 Q4_K: per 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128 bytes of
+//           nibbles                                       144 bytes, block j: w = d sc_j q - dmin m_j;
+//           block j's weights are nibble j % 2 of bytes 32 (j / 2) .. 32 (j / 2) + 31.
+//   4 Q5_K: Q4_K with 32 bytes qh after the scales        176 bytes, bit j of qh[l]: fifth bit of block j's weight l
+//   5 Q6_K: per 256: ql[128], qh[64], int8 sc[16], fp16 d 210 bytes, w = d sc_i (q - 32) per 16 weights
+//           (i = weight / 16), q: 4 bits from ql and 2 from qh (gguf's Q6_K layout, see unpack_block).
 // The kernels take them in a kernel layout (quant.py's QuantizedTensor.kernel_layout(); the same
 // bytes, reordered within each row) so that eight block scales load in one instruction:
-//   Q4_1 row: fp16 d[nb] | fp16 m[nb] | nibbles[nb][16]
 //   Q8_0 row: fp16 d[nb] | int8 q[nb][32]
+//   Q4_1 row: fp16 d[nb] | fp16 m[nb] | nibbles[nb][16]
+//   Q5_0 row: fp16 d[nb] | (qh[4], nibbles[16])[nb]
+//   K-quant rows: the super-blocks as they are (a super-block's header holds its eight blocks' scales).
 // Activations are quantized per token and per block of 32 to int16 with one float scale (32767 steps:
 // the weights' rounding is then all the error there is), so every dot product runs on integer
 // multiply-adds (vpmaddwd on weights widened to int16) and is scaled once per block.
@@ -41,8 +52,15 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int Q8_0_BYTES = 34;
-constexpr int Q4_1_BYTES = 20;
+enum : int { Q8_0 = 0, Q4_1 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, NUM_FORMATS = 6 };
+constexpr bool is_super(int64_t f) { return f >= Q4_K; }  // super-blocks of 256 weights
+// bytes per block of 32 weights (per super-block of 256 for the K-quants)
+constexpr int64_t block_bytes(int64_t f) {
+  return f == Q8_0 ? 34 : f == Q4_1 ? 20 : f == Q5_0 ? 22 : f == Q4_K ? 144 : f == Q5_K ? 176 : 210;
+}
+constexpr int64_t row_bytes_of(int64_t f, int64_t nb) { return is_super(f) ? nb / 8 * block_bytes(f) : nb * block_bytes(f); }
+template <int F> constexpr bool kMin = F == Q4_1 || F == Q4_K || F == Q5_K;  // w = d q + m: a min term
+template <int F> constexpr bool kSplit = F == Q6_K;  // a scale per 16 weights: a block's halves scale apart
 
 inline float h2f(const uint8_t* p) {
   uint16_t h;
@@ -122,24 +140,98 @@ void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* q, float* d,
 // the token's int16 activations in vpmaddwd; the int32 sums are exact, so how tiles group tokens or
 // rows cannot change them, and every (row, token) then scales and adds its blocks in the same order.
 
-// one block's weights as int16: w[0] = weights 0..15, w[1] = weights 16..31
-template <bool Q4>
-inline void unpack_block(const uint8_t* quants, __m256i w[2]) {
-  if constexpr (Q4) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(quants));
+// One block's weights as int16: w[0] = weights 0..15, w[1] = weights 16..31 of block g + j of a row (the
+// row's first byte; see the layouts at the top), g a multiple of 8: for the K-quants, block j of super-block
+// g / 8 (the tiles pass j as a constant, so the K-quants' shifts are immediates).
+template <int F>
+inline void unpack_block(const uint8_t* row, int64_t nb, int64_t g, int j, __m256i w[2]) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  const int64_t b = g + j;
+  if constexpr (F == Q8_0) {
+    const uint8_t* q = row + 2 * nb + QK * b;
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  } else if constexpr (F == Q4_1) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 * nb + 16 * b));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
-    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
-  } else {
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quants)));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quants + 16)));
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+  } else if constexpr (F == Q5_0) {
+    const uint8_t* q = row + 2 * nb + 20 * b;
+    uint32_t qh;
+    std::memcpy(&qh, q, 4);
+    // the 16 nibble bytes in both halves, the upper shifted by 4: weight j's nibble in byte j
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)));
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo4);
+    // bit j of qh into byte j: byte j / 8 of qh to byte j, then its bit j % 8
+    const __m256i sel = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                              0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i high = _mm256_cmpeq_epi8(_mm256_and_si256(sel, bit), bit);  // 0xFF where the fifth bit is set
+    // q - 16 as int8: the nibble where the fifth bit is set, else nibble - 16 (the nibble with 0xF0 set)
+    const __m256i q8 = _mm256_or_si256(nib, _mm256_andnot_si256(high, _mm256_set1_epi8(static_cast<char>(0xF0))));
+    w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q8));
+    w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q8, 1));
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    // sub-block j of a super-block: nibble j % 2 of the 32 quant bytes 32 (j / 2) .. 32 (j / 2) + 31, in order
+    const uint8_t* sb = row + block_bytes(F) * (g >> 3);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (F == Q4_K ? 16 : 48) + 32 * (j >> 1)));
+    __m256i q8 = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (j & 1))), lo4);
+    if constexpr (F == Q5_K) {  // the fifth bit: bit j of the super-block's 32 high-bit bytes, one per weight
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
+      q8 = _mm256_or_si256(q8, _mm256_slli_epi16(
+                                   _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1)), 4));
+    }
+    w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q8));
+    w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q8, 1));
+  } else {  // Q6_K: block j of a half h = j / 4: low nibbles from ql, two high bits from qh, minus 32
+    static_assert(F == Q6_K);
+    const uint8_t* sb = row + block_bytes(F) * (g >> 3);
+    const int h = j >> 2, r = j & 3;
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * (r & 1)));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+    const __m256i q8 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (r >> 1))), lo4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * r)), _mm256_set1_epi8(3)), 4));
+    const __m256i s8 = _mm256_sub_epi8(q8, _mm256_set1_epi8(32));
+    w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(s8));
+    w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(s8, 1));
   }
 }
 
-// a block's int32 partial sums (8 lanes): |sum| <= 32 * 127 * 32767 < 2^31
-inline __m256i dot_block(const __m256i w0, const __m256i w1, const int16_t* x) {
-  return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-                          _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+// The float scales of blocks g .. g + gn - 1 of a row as 8 lanes (lanes from gn on zero): dw[j] the scale of
+// block g + j, mw[j] its min (Q4_1, Q4_K, Q5_K: w = dw q + mw) or, for Q6_K, the scale of its second 16
+// weights (dw is then that of its first 16). A K-quant group is one super-block; its scales are an fp16
+// times a 6-bit (8-bit for Q6_K) integer, so the float32 products are exact: the file's values.
+template <int F>
+inline void group_scales(const uint8_t* row, int64_t nb, int64_t g, int gn, __m256& dw, __m256& mw) {
+  if constexpr (F == Q8_0 || F == Q5_0) {
+    dw = load_f16x8(row + 2 * g, gn);
+  } else if constexpr (F == Q4_1) {
+    dw = load_f16x8(row + 2 * g, gn);
+    mw = load_f16x8(row + 2 * nb + 2 * g, gn);
+  } else if constexpr (F == Q4_K || F == Q5_K) {
+    // fp16 d, fp16 dmin, then 12 bytes of 6-bit scales and mins (gguf's Q4_K.get_scale_min): w = d sc q - dmin m
+    const uint8_t* sb = row + block_bytes(F) * (g >> 3);
+    uint32_t u[3];
+    std::memcpy(u, sb + 4, 12);
+    const uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+    const __m128i sm = _mm_setr_epi32(static_cast<int>(u[0] & k6),
+                                      static_cast<int>((u[2] & k4) | (((u[0] >> 6) & k2) << 4)),
+                                      static_cast<int>(u[1] & k6),
+                                      static_cast<int>(((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4)));
+    dw = _mm256_mul_ps(_mm256_set1_ps(h2f(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    mw = _mm256_mul_ps(_mm256_set1_ps(-h2f(sb + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+  } else {  // Q6_K: int8 scales[16] at 192 (one per 16 weights), fp16 d at 208
+    static_assert(F == Q6_K);
+    const uint8_t* sb = row + block_bytes(F) * (g >> 3);
+    const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)),
+                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    const __m256 d = _mm256_set1_ps(h2f(sb + 208));
+    dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    mw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+  }
 }
 
 // 8 blocks' partial sums -> the 8 block sums as floats in natural order: six vphaddd and one cross-lane
@@ -153,20 +245,21 @@ inline __m256 reduce8(const __m256i s[8]) {
 }
 
 // ---- the GEMM: y[M, N] = x[M, K] . W[N, K]^T, weights in the kernel layout --------------------------
-// A tile is RN weight rows x RM tokens. Per group of 8 blocks and (row, token): the Q4_1 min term
-// (sum_b m_b * d_x,b * sum(q_x,b), one FMA of 8-lane vectors), then the 8 block sums times d_w * d_x.
+// A tile is RN weight rows x RM tokens. Per group of 8 blocks and (row, token): the min term of Q4_1, Q4_K
+// and Q5_K (sum_b m_b * d_x,b * sum(q_x,b), one FMA of 8-lane vectors), then the 8 block sums times
+// d_w * d_x. A block's int32 sum is exact (|sum| <= 32 * 127 * 32767 < 2^31). Q6_K has a scale per 16
+// weights: its two halves' sums (each |sum| <= 16 * 32 * 32767 < 2^24, exact as floats too) are scaled
+// apart, first halves then second halves, in float.
 // Multi-token tiles widen each row's group once into a stack buffer that their tokens reuse.
 // Accumulate: y += x . W^T (a residual add with no extra pass or tensor; the sum is the same float
 // add as y + (x . W^T) done afterwards).
 // pf (GEMVs only, else null): software prefetch of the bytes PF_DIST ahead of this tile, pf_lines cache
 // lines per group of blocks, spread over the tile so that a long row's lines are not asked for in one
 // burst (more than the core's miss buffers hold: those are dropped or stall the loads behind them).
-template <bool Q4, int RN, int RM>
+template <int F, int RN, int RM>
 inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t* xq, int64_t K, const float* xd,
                  const float* xs, int64_t ld, float* y, int64_t N, bool accumulate, const uint8_t* pf = nullptr,
                  int64_t pf_lines = 0) {
-  constexpr int QB = Q4 ? 16 : QK;  // quant bytes per block
-  const int64_t quants = (Q4 ? 4 : 2) * nb;  // byte offset of a row's quants
   __m256 acc[RN][RM];
   for (int n = 0; n < RN; ++n)
     for (int m = 0; m < RM; ++m) acc[n][m] = _mm256_setzero_ps();
@@ -179,32 +272,43 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t*
       for (int n = 0; n < RN; ++n)
         for (int b = 0; b < gn; ++b) {
           __m256i w[2];
-          unpack_block<Q4>(W + n * row_bytes + quants + QB * (g + b), w);
+          unpack_block<F>(W + n * row_bytes, nb, g, b, w);
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide[n][b]), w[0]);
           _mm256_store_si256(reinterpret_cast<__m256i*>(wide[n][b] + 16), w[1]);
         }
     for (int n = 0; n < RN; ++n) {
       const uint8_t* row = W + n * row_bytes;
-      const __m256 dw = load_f16x8(row + 2 * g, gn);
-      [[maybe_unused]] __m256 mw;
-      if constexpr (Q4) mw = load_f16x8(row + 2 * nb + 2 * g, gn);
+      __m256 dw = _mm256_setzero_ps(), mw = _mm256_setzero_ps();
+      group_scales<F>(row, nb, g, gn, dw, mw);
       for (int m = 0; m < RM; ++m) {
         const int16_t* x = xq + m * K + QK * g;
-        __m256i s[8];
+        __m256i s[8], s1[kSplit<F> ? 8 : 1];  // s1: Q6_K's second halves
         for (int b = 0; b < 8; ++b) {
           if (b >= gn) {
             s[b] = _mm256_setzero_si256();
-          } else if constexpr (RM == 1) {
-            __m256i w[2];
-            unpack_block<Q4>(row + quants + QB * (g + b), w);
-            s[b] = dot_block(w[0], w[1], x + QK * b);
+            if constexpr (kSplit<F>) s1[b] = _mm256_setzero_si256();
+            continue;
+          }
+          __m256i w[2];
+          if constexpr (RM == 1) {
+            unpack_block<F>(row, nb, g, b, w);
           } else {
-            s[b] = dot_block(_mm256_load_si256(reinterpret_cast<const __m256i*>(wide[n][b])),
-                             _mm256_load_si256(reinterpret_cast<const __m256i*>(wide[n][b] + 16)), x + QK * b);
+            w[0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide[n][b]));
+            w[1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wide[n][b] + 16));
+          }
+          const __m256i p0 = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * b)));
+          const __m256i p1 = _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * b + 16)));
+          if constexpr (kSplit<F>) {
+            s[b] = p0;
+            s1[b] = p1;
+          } else {
+            s[b] = _mm256_add_epi32(p0, p1);
           }
         }
-        if constexpr (Q4) acc[n][m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + m * ld + g), acc[n][m]);
-        acc[n][m] = _mm256_fmadd_ps(reduce8(s), _mm256_mul_ps(dw, _mm256_loadu_ps(xd + m * ld + g)), acc[n][m]);
+        const __m256 xdv = _mm256_loadu_ps(xd + m * ld + g);
+        if constexpr (kMin<F>) acc[n][m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs + m * ld + g), acc[n][m]);
+        acc[n][m] = _mm256_fmadd_ps(reduce8(s), _mm256_mul_ps(dw, xdv), acc[n][m]);
+        if constexpr (kSplit<F>) acc[n][m] = _mm256_fmadd_ps(reduce8(s1), _mm256_mul_ps(mw, xdv), acc[n][m]);
       }
     }
   }
@@ -216,29 +320,38 @@ inline void tile(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t*
 // Outer-product form: a panel of 16 weight rows in the lanes of a zmm, two int16 weights per lane (a pair
 // along K), against one token's activation pair broadcast to every lane: one vpdpwssd adds 32 products
 // into 16 rows' exact int32 block sums, with no horizontal reduction. The block sums are the same integers
-// as the AVX2 tile's; the float steps after them (scales, the Q4_1 min term, eight accumulators by block
-// mod 8, their final tree) are the same operations in the same order. So every (row, token) gets the
-// AVX2 kernel's bits and the choice between the two (by batch size and CPU) cannot change a result.
+// as the AVX2 tile's; the float steps after them (scales, the min term, Q6_K's two halves, eight
+// accumulators by block mod 8, their final tree) are the same operations in the same order. So every
+// (row, token) gets the AVX2 kernel's bits and the choice between the two (by batch size and CPU) cannot
+// change a result.
 #define TM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 constexpr int PANEL = 16;
 
 // A panel's weights widened once for all tokens: wp[b][p][n] = rows n's weights 2p, 2p+1 of block b (int16
-// pair), dw/mw[b][n] their scales and mins as floats; rows past `rows` are zeros.
-template <bool Q4>
+// pair), dw/mw[b][n] their scales and mins (Q6_K: second scales) as floats, from group_scales, the AVX2
+// tile's own; rows past `rows` are zeros.
+template <int F>
 TM_AVX512 void widen_panel(const uint8_t* W, int64_t row_bytes, int64_t nb, int rows, int32_t* wp, float* dw,
                            float* mw) {
-  constexpr int QB = Q4 ? 16 : QK;
-  const int64_t quants = (Q4 ? 4 : 2) * nb;
   alignas(64) int16_t tmp[PANEL][QK];
+  alignas(32) float sd[8], sm[8];
   const __m512i stride = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t g = 0; g < nb; g += 8) {
+    const int gn = static_cast<int>(std::min<int64_t>(8, nb - g));
+    for (int n = 0; n < PANEL; ++n) {
+      __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+      if (n < rows) group_scales<F>(W + n * row_bytes, nb, g, gn, d, m);
+      _mm256_store_ps(sd, d);
+      _mm256_store_ps(sm, m);
+      for (int j = 0; j < gn; ++j) dw[(g + j) * PANEL + n] = sd[j], mw[(g + j) * PANEL + n] = sm[j];
+    }
+  }
   for (int64_t b = 0; b < nb; ++b) {
     for (int n = 0; n < PANEL; ++n) {
       __m256i w[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-      if (n < rows) unpack_block<Q4>(W + n * row_bytes + quants + QB * b, w);
+      if (n < rows) unpack_block<F>(W + n * row_bytes, nb, b & ~int64_t{7}, static_cast<int>(b & 7), w);
       _mm256_store_si256(reinterpret_cast<__m256i*>(tmp[n]), w[0]);
       _mm256_store_si256(reinterpret_cast<__m256i*>(tmp[n] + 16), w[1]);
-      dw[b * PANEL + n] = n < rows ? h2f(W + n * row_bytes + 2 * b) : 0.0f;
-      mw[b * PANEL + n] = Q4 && n < rows ? h2f(W + n * row_bytes + 2 * nb + 2 * b) : 0.0f;
     }
     const int32_t* t32 = reinterpret_cast<const int32_t*>(tmp);  // [16 rows][16 pairs]
     for (int p = 0; p < QK / 2; ++p)
@@ -247,7 +360,7 @@ TM_AVX512 void widen_panel(const uint8_t* W, int64_t row_bytes, int64_t nb, int 
 }
 
 // RM tokens against one widened panel: y[m, n0 .. n0 + rows)
-template <bool Q4, int RM>
+template <int F, int RM>
 TM_AVX512 inline void panel_tokens(const int32_t* wp, const float* dw, const float* mw, int64_t nb, const int16_t* xq,
                                    int64_t K, const float* xd, const float* xs, int64_t ld, float* y, int64_t N,
                                    __mmask16 rows, bool accumulate) {
@@ -255,36 +368,43 @@ TM_AVX512 inline void panel_tokens(const int32_t* wp, const float* dw, const flo
   for (int m = 0; m < RM; ++m)
     for (int j = 0; j < 8; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    // two chains per token (even and odd pairs) to hide vpdpwssd's latency; integer adds, so the sum is the same
+    // two chains per token (weights 0..15 and 16..31) to hide vpdpwssd's latency: integer adds, so their sum
+    // is the AVX2 tile's block sum, and for Q6_K they are its two halves
     __m512i s0[RM], s1[RM];
     for (int m = 0; m < RM; ++m) s0[m] = s1[m] = _mm512_setzero_si512();
     const int32_t* wb = wp + b * 16 * PANEL;
 #pragma GCC unroll 8
-    for (int p = 0; p < QK / 2; p += 2) {
+    for (int p = 0; p < QK / 4; ++p) {
       const __m512i w0 = _mm512_load_si512(wb + p * PANEL);
-      const __m512i w1 = _mm512_load_si512(wb + (p + 1) * PANEL);
+      const __m512i w1 = _mm512_load_si512(wb + (p + QK / 4) * PANEL);
 #pragma GCC unroll 4
       for (int m = 0; m < RM; ++m) {
-        const int32_t* x = reinterpret_cast<const int32_t*>(xq + m * K + QK * b) + p;  // the token's pairs
-        s0[m] = _mm512_dpwssd_epi32(s0[m], w0, _mm512_set1_epi32(x[0]));
-        s1[m] = _mm512_dpwssd_epi32(s1[m], w1, _mm512_set1_epi32(x[1]));
+        const int32_t* x = reinterpret_cast<const int32_t*>(xq + m * K + QK * b);  // the token's pairs
+        s0[m] = _mm512_dpwssd_epi32(s0[m], w0, _mm512_set1_epi32(x[p]));
+        s1[m] = _mm512_dpwssd_epi32(s1[m], w1, _mm512_set1_epi32(x[p + QK / 4]));
       }
     }
     const __m512 dwb = _mm512_loadu_ps(dw + b * PANEL);
     [[maybe_unused]] __m512 mwb;
-    if constexpr (Q4) mwb = _mm512_loadu_ps(mw + b * PANEL);
+    if constexpr (kMin<F> || kSplit<F>) mwb = _mm512_loadu_ps(mw + b * PANEL);
     const int j = static_cast<int>(b & 7);
     for (int m = 0; m < RM; ++m) {
-      if constexpr (Q4) acc[m][j] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(xs[m * ld + b]), acc[m][j]);
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[m], s1[m]));
-      acc[m][j] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dwb, _mm512_set1_ps(xd[m * ld + b])), acc[m][j]);
+      if constexpr (kMin<F>) acc[m][j] = _mm512_fmadd_ps(mwb, _mm512_set1_ps(xs[m * ld + b]), acc[m][j]);
+      const __m512 xdb = _mm512_set1_ps(xd[m * ld + b]);
+      if constexpr (kSplit<F>) {
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[m]), _mm512_mul_ps(dwb, xdb), acc[m][j]);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[m]), _mm512_mul_ps(mwb, xdb), acc[m][j]);
+      } else {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[m], s1[m]));
+        acc[m][j] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dwb, xdb), acc[m][j]);
+      }
     }
   }
   // the AVX2 tile adds 0 * 0 into the lanes of a short last group (which turns -0 into +0): so do we
   const __m512 zero = _mm512_setzero_ps();
   for (int64_t b = nb; b % 8 != 0; ++b)
     for (int m = 0; m < RM; ++m) {
-      if constexpr (Q4) acc[m][b & 7] = _mm512_add_ps(acc[m][b & 7], zero);
+      if constexpr (kMin<F> || kSplit<F>) acc[m][b & 7] = _mm512_add_ps(acc[m][b & 7], zero);
       acc[m][b & 7] = _mm512_add_ps(acc[m][b & 7], zero);
     }
   for (int m = 0; m < RM; ++m) {  // hsum()'s tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
@@ -297,11 +417,11 @@ TM_AVX512 inline void panel_tokens(const int32_t* wp, const float* dw, const flo
   }
 }
 
-template <bool Q4>
+template <int F>
 TM_AVX512 void gemm_vnni(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs,
                          int64_t ld, int64_t M, float* y, bool accumulate) {
   const int64_t nb = K / QK;
-  const int64_t row_bytes = nb * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
+  const int64_t row_bytes = row_bytes_of(F, nb);
   const int64_t panels = (N + PANEL - 1) / PANEL;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<int32_t> wbuf(nb * 16 * PANEL + 16);  // nb blocks x 16 pairs x 16 lanes, 64-byte aligned below
@@ -313,14 +433,14 @@ TM_AVX512 void gemm_vnni(const uint8_t* W, int64_t N, int64_t K, const int16_t* 
       const int64_t n0 = p * PANEL;
       const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
       const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-      widen_panel<Q4>(W + n0 * row_bytes, row_bytes, nb, rows, wp, dw, mw);
+      widen_panel<F>(W + n0 * row_bytes, row_bytes, nb, rows, wp, dw, mw);
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
-        panel_tokens<Q4, 4>(wp, dw, mw, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N + n0, N, mask,
-                            accumulate);
+        panel_tokens<F, 4>(wp, dw, mw, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N + n0, N, mask,
+                           accumulate);
       for (; m < M; ++m)
-        panel_tokens<Q4, 1>(wp, dw, mw, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N + n0, N, mask,
-                            accumulate);
+        panel_tokens<F, 1>(wp, dw, mw, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N + n0, N, mask,
+                           accumulate);
     }
   });
 }
@@ -341,17 +461,17 @@ bool g_use_vnni = [] {
 // head), 1.4x at M=16, 2.7x at M=64, 3.4x at M=512. 16 is the crossing on both.
 constexpr int64_t VNNI_MIN_TOKENS = 16;
 
-template <bool Q4, int RN>
+template <int F, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t* xq, const float* xd,
                             const float* xs, int64_t ld, int64_t m0, int64_t m1, int64_t K, float* y, int64_t N,
                             bool accumulate, const uint8_t* pf, int64_t pf_lines) {
   constexpr int RM = RN == 4 ? 1 : 4;
   int64_t m = m0;
   for (; m + RM <= m1; m += RM, pf = nullptr)  // the first tile over these rows prefetches
-    tile<Q4, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
+    tile<F, RN, RM>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
                      pf_lines);
   for (; m < m1; ++m, pf = nullptr)
-    tile<Q4, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
+    tile<F, RN, 1>(W, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N, N, accumulate, pf,
                     pf_lines);
 }
 
@@ -359,12 +479,12 @@ inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, con
 // and, without it, one Zen 1 core waits on memory instead of overlapping it with the multiply-adds
 // (single-thread Q8_0 head 5.9 -> 4.4 ms, a streaming Q4_1 matrix 6.3 -> 4.9 ms; 4-16 KiB all alike).
 constexpr int64_t PF_DIST = 8192;
-template <bool Q4>
+template <int F>
 void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t ld,
           int64_t M, float* y, bool accumulate) {
-  if (g_use_vnni && M >= VNNI_MIN_TOKENS) return gemm_vnni<Q4>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
+  if (g_use_vnni && M >= VNNI_MIN_TOKENS) return gemm_vnni<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
   const int64_t nb = K / QK;
-  const int64_t row_bytes = nb * (Q4 ? Q4_1_BYTES : Q8_0_BYTES);
+  const int64_t row_bytes = row_bytes_of(F, nb);
   // Tokens in chunks whose quantized activations stay in L2 while every row of this thread passes over them.
   const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / std::max<int64_t>(K * sizeof(int16_t), 1));
   const int RN = M == 1 ? 4 : 2;  // one token: 4 rows per tile; several: 2 rows x 4 tokens
@@ -385,13 +505,13 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float
         const uint8_t* pf = prefetch && mc == 0 ? Wn + PF_DIST : nullptr;
         float* yn = y + n;
         if (rows == 4) {
-          rows_all_tokens<Q4, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
+          rows_all_tokens<F, 4>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
         } else if (rows == 2) {
-          rows_all_tokens<Q4, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
+          rows_all_tokens<F, 2>(Wn, row_bytes, nb, xq, xd, xs, ld, mc, mc1, K, yn, N, accumulate, pf, pf_lines);
         } else {
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t m = mc; m < mc1; ++m)
-              tile<Q4, 1, 1>(Wn + r * row_bytes, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld,
+              tile<F, 1, 1>(Wn + r * row_bytes, row_bytes, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld,
                              yn + r + m * N, N, accumulate);
         }
       }
@@ -399,14 +519,20 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float
   });
 }
 
+void check_format(int64_t K, int64_t fmt, const char* op) {
+  TORCH_CHECK(fmt >= 0 && fmt < NUM_FORMATS, "tokenmill::", op,
+              ": format must be 0 (Q8_0), 1 (Q4_1), 2 (Q5_0), 3 (Q4_K), 4 (Q5_K) or 5 (Q6_K), got ", fmt);
+  const int64_t unit = is_super(fmt) ? 8 * QK : QK;
+  TORCH_CHECK(K % unit == 0, "tokenmill::", op, ": in_features must be a multiple of ", unit, " for this format, got ", K);
+}
+
 void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, const char* op) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(), "tokenmill::", op,
               " takes contiguous uint8 blocks on the CPU (QuantizedTensor.kernel_layout())");
-  TORCH_CHECK(fmt == 0 || fmt == 1, "tokenmill::", op, ": format must be 0 (Q8_0) or 1 (Q4_1)");
-  TORCH_CHECK(K % QK == 0, "tokenmill::", op, ": in_features must be a multiple of 32, got ", K);
-  const int64_t bytes = fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES;
-  TORCH_CHECK(w.numel() == n_out * (K / QK) * bytes, "tokenmill::", op, ": weight holds ", w.numel(),
-              " bytes, expected ", n_out * (K / QK) * bytes, " for [", n_out, ", ", K, "]");
+  check_format(K, fmt, op);
+  const int64_t bytes = n_out * row_bytes_of(fmt, K / QK);
+  TORCH_CHECK(w.numel() == bytes, "tokenmill::", op, ": weight holds ", w.numel(), " bytes, expected ", bytes,
+              " for [", n_out, ", ", K, "]");
 }
 
 // The quantized activations of one GEMM input: scratch that forward_layers reuses across its GEMMs.
@@ -432,14 +558,22 @@ void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64
   float* d = buf.d.data_ptr<float>();
   float* s = buf.s.data_ptr<float>();
   quantize_rows16(x.data_ptr<float>(), M, K, q, d, s, ld);
-  if (fmt == 1)
-    gemm<true>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
-  else
-    gemm<false>(w.data_ptr<uint8_t>(), n_out, K, q, d, s, ld, M, y.data_ptr<float>(), accumulate);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (fmt) {
+    case Q8_0: return gemm<Q8_0>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q4_1: return gemm<Q4_1>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q5_0: return gemm<Q5_0>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q4_K: return gemm<Q4_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q5_K: return gemm<Q5_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q6_K: return gemm<Q6_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    default: TORCH_CHECK(false, "tokenmill: unknown weight format ", fmt);
+  }
 }
 
 
-// fmt: 0 = Q8_0, 1 = Q4_1; w in the kernel layout
+
+// fmt: a FORMAT_IDS value (see the top); w in the kernel layout
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt) {
   TORCH_CHECK(x.device().is_cpu(), "tokenmill::qlinear runs on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "tokenmill::qlinear takes float32 activations");
@@ -973,8 +1107,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // weights: 7 per layer: input norm, qkv (kernel layout), qkv bias (empty: none), o_proj,
 // post-attention norm, gate_up, down_proj; fmts: 4 per layer (qkv, o_proj, gate_up, down_proj).
 int64_t rows_of(const at::Tensor& w, int64_t K, int64_t fmt) {
-  TORCH_CHECK(K % QK == 0, "tokenmill::forward_layers: in_features must be a multiple of 32");
-  return w.numel() / ((K / QK) * (fmt == 1 ? Q4_1_BYTES : Q8_0_BYTES));
+  check_format(K, fmt, "forward_layers");
+  return w.numel() / row_bytes_of(fmt, K / QK);
 }
 
 at::Tensor forward_layers(const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef fmts,
