@@ -122,6 +122,43 @@ def test_paged_attention_is_batch_invariant(h, hkv):
     assert torch.equal(mixed[2:], chunk[100:400])
 
 
+@pytest.mark.parametrize("window,softcap", [(8, None), (300, None), (0, 5.0), (40, 2.0)])
+def test_paged_attention_with_a_window_and_a_soft_cap(window, softcap):
+    """Sliding windows (Mistral, Gemma 2, Phi-3) and soft caps (Gemma 2): the kernel against the torch path
+    (decodes and a chunk after cached context), and batch invariant: a token's output is the same bits
+    alone as inside a chunk, windows crossing the 256-token part boundaries included."""
+    ops = cpu_kernels()
+    torch.manual_seed(window)
+    h, hkv, nb, bs, d, n, context = 4, 2, 60, 16, 32, 40, 500
+    kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    scale = 0.3  # not D ** -0.5: the query scale is the model's (Gemma 2's query_pre_attn_scalar)
+    kw = dict(window=window, softcap=softcap or 0.0)
+    # decodes
+    lens = torch.tensor([1, 9, 17, 260, 513])
+    tables = torch.stack([torch.randperm(nb)[:33] for _ in lens])
+    q = torch.randn(len(lens), h, d) * 3
+    meta = AttentionMetadata(None, len(lens), tables, lens, int(lens.max()), [])
+    ref = TorchPagedAttention._decode(q, (kc, vc), meta, h // hkv, scale, window, softcap)
+    got = ops.paged_attention(q, kc, vc, tables, *decode_inputs(lens), scale, **kw)
+    assert torch.allclose(got, ref, atol=2e-5)
+    # a chunk after cached context
+    table = torch.randperm(nb)[:36]
+    rows = (table[None] * bs + torch.arange(bs)[:, None]).t().reshape(-1)
+    qc = torch.randn(n, h, d) * 3
+    k, v = kc.view(-1, hkv, d)[rows][context:context + n], vc.view(-1, hkv, d)[rows][context:context + n]
+    ref = TorchPagedAttention._prefill(qc, k, v, (kc, vc), PrefillChunk(0, n, context, table), h // hkv, scale,
+                                       window, softcap)
+    ctx = torch.arange(context + 1, context + n + 1)
+    chunk = ops.paged_attention(qc, kc, vc, table[None], torch.zeros(n, dtype=torch.long), ctx, scale, **kw)
+    assert torch.allclose(chunk, ref, atol=2e-5)
+    for i in (0, 11, 39):
+        alone = ops.paged_attention(qc[i:i + 1], kc, vc, table[None], torch.zeros(1, dtype=torch.long),
+                                    ctx[i:i + 1], scale, **kw)
+        assert torch.equal(alone, chunk[i:i + 1])
+    plain = ops.paged_attention(qc, kc, vc, table[None], torch.zeros(n, dtype=torch.long), ctx, scale)
+    assert (plain - chunk).abs().max() > 1e-3  # the window and cap change the result
+
+
 @pytest.mark.parametrize("store", [torch.int8, torch.uint8])  # --kv-cache-dtype int8, fp8 (e4m3 bits)
 def test_paged_attention_reads_a_quantized_cache_as_dequantize_kv_does(store):
     """The kernel on 1-byte values and per-token scales gives the bits it gives on the float cache

@@ -88,17 +88,20 @@ def test_router_normalisation_matters(built, prompt_ids):
 
 
 def test_expert_token_counts(built, prompt_ids):
-    """The router's counts: every token of every step lands in top-k experts of each MoE layer."""
+    """Each step reports the router's counts: every token it ran lands in top-k experts of each MoE layer,
+    and the counters restart with the next step."""
     model, _, llm = built("mixtral")
-    mods = [layer.mlp for layer in llm.engine.runner.model.layers]
-    before = [m.expert_tokens.clone() for m in mods]
-    fresh = prompt_ids[::-1]  # not run before: no prefix-cache hit, every prompt token is computed
-    engine_greedy(llm, [fresh])
+    seen = len(llm.engine.step_stats)
+    engine_greedy(llm, [prompt_ids[::-1], prompt_ids[3:20]])
     k = model.config.num_experts_per_tok
-    for m, b in zip(mods, before):
-        routed = m.expert_tokens - b
-        assert int(routed.sum()) == k * (len(fresh) + N_GEN - 1)
-        assert (routed > 0).sum() >= 2  # random routers spread tokens over several experts
+    steps = list(llm.engine.step_stats)[seen:]
+    assert len(steps) > 1
+    for s in steps:
+        tokens = s.num_prefill_tokens + s.num_decode_tokens
+        assert [sum(c) for c in s.expert_tokens] == [k * tokens] * 2
+    spread = [sum(s.expert_tokens[0][e] for s in steps) > 0 for e in range(8)]
+    assert sum(spread) >= 2  # random routers spread tokens over several experts
+    assert all(int(layer.mlp.expert_tokens.sum()) == 0 for layer in llm.engine.runner.model.layers)
 
 
 def test_moe_checkpoint_errors_name_the_tensor(built, tmp_path):

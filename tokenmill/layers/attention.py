@@ -11,6 +11,10 @@ The runner lays the batch out as [decode tokens (one per request) | prefill chun
 - Each prefill chunk runs as one SDPA call (causal); a chunk that starts after cached context
   (chunked prefill, recompute, prefix hits) attends to the cached blocks too.
 
+Per layer, attention takes the model's softmax scale, a sliding window (a token sees only its last
+``window`` positions: Mistral, Gemma 2, Phi-3) and a soft cap on the scores (Gemma 2), in the kernel
+and in the torch path alike.
+
 Backends are chosen by name through ``get_backend``; a GPU backend plugs in beside this one.
 
 A layer's cache is ``(k_cache, v_cache)`` in the model dtype, or, with ``--kv-cache-dtype int8|fp8``,
@@ -108,10 +112,10 @@ class TorchPagedAttention:
                 kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, row_scale)
                 fresh.append(dequantize_kv(values, row_scale, q.dtype))  # what the cache will give back
             k, v = fresh
-        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda and not window and not softcap:
+        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda:
             # reads the cache in place (a quantized one dequantized row by row, as gather_kv would)
             return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of,
-                                            meta.ctx_lens, scale, *kv[2:])
+                                            meta.ctx_lens, scale, *kv[2:], window=window, softcap=softcap or 0.0)
         out = torch.empty_like(q)
         group = q.shape[1] // hkv
         nd = meta.num_decodes

@@ -889,6 +889,9 @@ inline __m256 dot8_rows(const float* q, const float* base, const int64_t* rows, 
 // and the parts merged in order by their maxima and sums (flash-decoding); how many tokens share the
 // step, whether this token came in a prefill chunk or as a decode, and how the parts are spread over
 // threads change nothing. One long sequence still spreads over the threads through its parts.
+// A sliding window (Mistral, Gemma 2, Phi-3) starts token t's context at ctx_lens[t] - window: the parts
+// keep their fixed offsets, the first one cut at that start. A soft cap (Gemma 2) turns each score s into
+// cap * tanh(s / cap) before the softmax.
 constexpr int64_t PART = 256;
 
 // fp8 e4m3 (finite, NaN at 0x7f/0xff) to float, exactly as torch converts it: 256 entries, built once
@@ -923,7 +926,8 @@ struct QuantizedCache {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_of, const at::Tensor& ctx_lens,
                            double scale, const std::optional<at::Tensor>& k_scale = std::nullopt,
-                           const std::optional<at::Tensor>& v_scale = std::nullopt) {
+                           const std::optional<at::Tensor>& v_scale = std::nullopt, int64_t window = 0,
+                           double softcap = 0.0) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "tokenmill::paged_attention: q must be float32 [T, H, D] with contiguous heads");
@@ -968,7 +972,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto out = at::empty({T, H, D}, q.options());
   float* op = out.data_ptr<float>();
   if (T == 0) return out;
-  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "tokenmill::paged_attention: window and softcap must be >= 0");
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // The G query heads of KV head hk over context tokens [j0, j1) of token t: acc = sum_j e_j v_j (not yet
   // divided), mx = max score, sum = sum_j e_j, with e_j = exp(score_j - mx). s: the scratch of one thread.
   // The cached rows come from DRAM (a decode step streams ~100 MB of weights between two visits to a
@@ -1018,6 +1023,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const float* kj = kp + rows[i];
       for (int64_t g = 0; g < G; ++g) scores[g * L + i] = dot_f32(qh + g * D, kj, D) * sc;
     }
+    if (cap > 0)
+      for (int64_t e = 0; e < G * L; ++e) scores[e] = cap * std::tanh(scores[e] / cap);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * L;
       const float m = *std::max_element(sg, sg + L);
@@ -1062,7 +1069,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t e = 0; e < D; ++e) o[e] *= inv;
     }
   };
-  auto parts_of = [&](int64_t t) { return (lp[t] + PART - 1) / PART; };
+  // token t's context is [first_pos(t), lp[t]); its parts are the PART-aligned pieces of that range
+  auto first_pos = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, lp[t] - window) : int64_t{0}; };
+  auto parts_of = [&](int64_t t) { return (lp[t] + PART - 1) / PART - first_pos(t) / PART; };
+  auto part_range = [&](int64_t t, int64_t part) {  // [j0, j1) of the part-th part of token t's context
+    const int64_t p = first_pos(t) / PART + part;
+    return std::make_pair(std::max(first_pos(t), p * PART), std::min(lp[t], (p + 1) * PART));
+  };
   const int64_t items = T * HKV, threads = at::get_num_threads();
   if (items >= 2 * threads) {  // enough (token, KV head) pairs: each thread takes whole pairs
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
@@ -1071,9 +1084,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / HKV, hk = i % HKV, P = parts_of(t);
         acc.resize(P * G * D), mx.resize(P * G), sum.resize(P * G);
-        for (int64_t p = 0; p < P; ++p)
-          attend(t, hk, p * PART, std::min(lp[t], (p + 1) * PART), scratch, acc.data() + p * G * D,
-                 mx.data() + p * G, sum.data() + p * G);
+        for (int64_t p = 0; p < P; ++p) {
+          const auto [j0, j1] = part_range(t, p);
+          attend(t, hk, j0, j1, scratch, acc.data() + p * G * D, mx.data() + p * G, sum.data() + p * G);
+        }
         merge(t, hk, P, acc.data(), mx.data(), sum.data());
       }
     });
@@ -1089,8 +1103,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t i = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
       const int64_t t = i / HKV, hk = i % HKV, part = p - first[i];
-      attend(t, hk, part * PART, std::min(lp[t], (part + 1) * PART), scratch, acc.data() + p * G * D,
-             mx.data() + p * G, sum.data() + p * G);
+      const auto [j0, j1] = part_range(t, part);
+      attend(t, hk, j0, j1, scratch, acc.data() + p * G * D, mx.data() + p * G, sum.data() + p * G);
     }
   });
   for (int64_t i = 0; i < items; ++i)
@@ -1197,7 +1211,8 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin, int n_heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of, "
-        "Tensor ctx_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor ctx_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int window=0, "
+        "float softcap=0.0) -> Tensor");
   m.def("forward_layers(Tensor x, Tensor[] weights, int[] fmts, Tensor[] k_caches, Tensor[] v_caches, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_of, Tensor ctx_lens, int n_heads, "
         "int n_kv_heads, int head_dim, float eps, float scale) -> Tensor");
