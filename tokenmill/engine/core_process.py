@@ -234,7 +234,10 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
         send(CoreReady(plain_info(core.info), os.getpid(), core.state()))
         gc.collect()
         gc.freeze()  # the model's and the pool's objects stay: collections under load skip them
-        _loop(core, inbox, send)
+        try:
+            _loop(core, inbox, send)
+        finally:
+            core.shutdown()  # its tensor-parallel workers, if any
     except BaseException as e:  # noqa: BLE001 - report whatever kills the core, then exit
         logging.getLogger("tokenmill").error("the engine core died: %r", e, exc_info=e)
         send(CoreFailed(type(e).__name__, str(e) or repr(e), traceback.format_exc()))
