@@ -222,3 +222,28 @@ def test_cli_flags():
     assert EngineConfig.from_kwargs(**engine_kwargs(a)).parallel.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="--tensor-parallel-size must be a positive integer"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
+
+
+def test_engine_core_process_starts_and_stops_its_workers(models):
+    """--engine-core-process: the core process is rank 0 and starts the workers itself."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    _, path = models["llama"]
+    one = make_llm(path)
+    want = greedy(one)
+    one.shutdown()
+    remote = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", kv_cache_memory="16MiB",
+                                                quantization="none", tensor_parallel_size=2), core_process=True)
+    try:
+        for i, ids in enumerate(PROMPTS):
+            remote.add_request(ids, GREEDY, request_id=str(i))
+        done = {}
+        while remote.has_unfinished_requests():
+            for out in remote.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert [done[str(i)] for i in range(len(PROMPTS))] == want
+    finally:
+        remote.shutdown()
+    assert remote.core.process.exitcode is not None

@@ -230,6 +230,10 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
 
         from tokenmill.engine.core import EngineCore
 
+        # This process is daemonic (it dies with the front end), and multiprocessing refuses children to
+        # a daemonic process; its tensor-parallel workers are stopped by it, or exit by their own parent
+        # watchdog when it dies (distributed/executor.py), so nothing is left behind.
+        multiprocessing.current_process().daemon = False
         core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
         send(CoreReady(plain_info(core.info), os.getpid(), core.state()))
         gc.collect()
