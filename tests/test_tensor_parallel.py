@@ -247,3 +247,21 @@ def test_engine_core_process_starts_and_stops_its_workers(models):
     finally:
         remote.shutdown()
     assert remote.core.process.exitcode is not None
+
+
+@pytest.mark.slow
+def test_tp3_on_the_real_model_gives_the_single_process_tokens(llm_default):
+    """The embedded model (9 query heads, 3 KV heads, hidden 576) in the default gguf mode on 3 ranks:
+    o_proj's 576 inputs split into 192 (6 whole Q8_0/Q4_1 blocks), the MLP's 1536 into 512."""
+    from tokenmill.models.registry import DEFAULT_MODEL
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm_default.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(DEFAULT_MODEL, kv_cache_memory="256MiB", max_model_len=2048, tensor_parallel_size=3)
+    try:
+        assert llm.engine.quantization == llm_default.engine.quantization
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        llm.shutdown()
