@@ -140,6 +140,24 @@ def test_killed_worker_fails_the_next_generate_and_leaves_no_process(models):
     assert not any(w.is_alive() for w in executor.workers)
 
 
+def test_a_hung_worker_times_the_step_out(models, monkeypatch):
+    """A worker that stops answering (SIGSTOP) fails the step after $TOKENMILL_TP_TIMEOUT_S; none is left."""
+    _, path = models["llama"]
+    monkeypatch.setenv("TOKENMILL_TP_TIMEOUT_S", "3")
+    llm = make_llm(path, tp=2)
+    executor = llm.engine.core.executor
+    try:
+        assert greedy(llm)
+        os.kill(executor.worker_pids[0], signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor parallelism failed: a worker stopped answering"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t < 20
+    finally:
+        llm.shutdown()
+    assert not any(w.is_alive() for w in executor.workers)
+
+
 def test_shutdown_joins_the_workers(models):
     _, path = models["llama"]
     llm = make_llm(path, tp=2)

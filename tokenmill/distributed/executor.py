@@ -106,8 +106,11 @@ class TPExecutor:
             raise RuntimeError(f"tensor-parallel worker {', '.join(dead)} while {when} (its log says why)")
 
     def start_workers(self, num_blocks: int) -> None:
-        """Tell the workers (loading their shards meanwhile) how many KV blocks to allocate."""
-        self._call(lambda: self.group.broadcast_bytes(str(num_blocks).encode()))
+        """Tell the workers (loading their shards meanwhile) how many KV blocks to allocate, and wait
+        until every one has its KV shard: a worker that failed to load fails the start, not a later step."""
+        self._call(lambda: (self.group.broadcast_bytes(str(num_blocks).encode()),
+                            self.group.all_reduce_(torch.zeros(1, device=self.device))))
+        self.group.reset_counters()
 
     def run_forward(self, order, logits_rows: list[int], local_forward):
         """Send one forward pass to the workers, run the driver's share, return the logits."""
@@ -205,6 +208,7 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
     kv = allocate_kv_cache(loaded.model.cfg, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype,
                            zeroed=loaded.model.ops is None)
     runner = ModelRunner(loaded.model, kv, cache.block_size, device, config.seed)
+    group.all_reduce_(torch.zeros(1, device=device))  # ready (the driver waits for every rank)
     while True:
         msg = _decoder.decode(group.broadcast_bytes(None))
         if isinstance(msg, Stop):

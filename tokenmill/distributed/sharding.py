@@ -83,9 +83,9 @@ def local_config(cfg: ModelConfig, t: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // t)
 
 
-def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tuple[int, int]], int] | None:
+def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tuple[int, int]]] | None:
     """How rank ``rank`` slices HF tensor ``name``: (dim, [(start, stop) per fused part, in the part's own
-    coordinates], part size) or None for a whole tensor. dim 0: output rows; 1: input columns."""
+    coordinates]) or None for a whole tensor. dim 0: output rows; 1: input columns."""
     h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     q = (rank * h // t * d, (rank + 1) * h // t * d)
     if hkv >= t:
@@ -97,25 +97,17 @@ def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tup
     v = padded_vocab(cfg.vocab_size, t) // t
     base = name.removeprefix("model.")
     if base in ("embed_tokens.weight", "lm_head.weight"):
-        return 0, [(rank * v, (rank + 1) * v)], 0
+        return 0, [(rank * v, (rank + 1) * v)]
     parts = base.split(".")
     if len(parts) < 4 or parts[0] != "layers":
         return None
     module = parts[-2]
-    if module == "q_proj":
-        return 0, [q], 0
-    if module in ("k_proj", "v_proj"):
-        return 0, [kv], 0
-    if module == "qkv_proj":  # Phi-3: fused in the checkpoint
-        return 0, [q, kv, kv], 0
-    if module in ("gate_proj", "up_proj"):
-        return 0, [mlp], 0
-    if module == "gate_up_proj":
-        return 0, [mlp, mlp], 0
-    if module == "o_proj" and parts[-1] == "weight":
-        return 1, [q], 0
-    if module == "down_proj" and parts[-1] == "weight":
-        return 1, [mlp], 0
+    rows = {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "qkv_proj": [q, kv, kv],  # qkv: Phi-3's fused
+            "gate_proj": [mlp], "up_proj": [mlp], "gate_up_proj": [mlp, mlp]}
+    if module in rows:
+        return 0, rows[module]
+    if module in ("o_proj", "down_proj") and parts[-1] == "weight":
+        return 1, [q if module == "o_proj" else mlp]
     return None
 
 
@@ -132,7 +124,7 @@ def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, t: int
     spec = _spec(name, cfg, rank, t)
     if spec is None or t == 1:
         return w
-    dim, ranges, _ = spec
+    dim, ranges = spec
     parts = w.split(_part_sizes(name, cfg), dim=dim) if len(ranges) > 1 else [w]
     out = []
     for p, (a, b) in zip(parts, ranges):
@@ -151,7 +143,7 @@ def shard_quantized(name: str, qt, cfg: ModelConfig, rank: int, t: int):
     spec = _spec(name, cfg, rank, t)
     if spec is None or t == 1:
         return qt
-    dim, ranges, _ = spec
+    dim, ranges = spec
     n, k = qt.shape
     data = qt.data
     if dim == 1:
