@@ -52,17 +52,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (transformers model, its folder): Llama (4 heads, 2 KV heads), Qwen2 (q/k/v bias) and an
-    MQA Llama (1 KV head: replicated on both ranks)."""
+    """name -> (transformers model, its folder): Llama (4 heads, 2 KV heads), Qwen2 (q/k/v bias), an
+    MQA Llama (1 KV head: replicated on both ranks) and a Llama with an odd vocabulary (321 rows: padded
+    to 322, 161 a rank) and untied head."""
     out = {}
     for name, arch, kw in (("llama", "llama", {}), ("qwen2", "qwen2", {}),
-                           ("mqa", "llama", {"num_key_value_heads": 1})):
+                           ("mqa", "llama", {"num_key_value_heads": 1}),
+                           ("odd-vocab", "llama", {"vocab_size": 321, "tie_word_embeddings": False})):
         m = tm.random_hf_model(arch, **kw)
         out[name] = m, tm.save_hf_folder(m, tmp_path_factory.mktemp(name))
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mqa"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mqa", "odd-vocab"])
 def test_float_tp2_matches_transformers_and_one_process(models, name):
     ref, path = models[name]
     one = make_llm(path)
