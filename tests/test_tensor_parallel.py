@@ -99,6 +99,31 @@ def test_int8_tp2_matches_one_process(models):
         llm.shutdown()
 
 
+def test_speculative_decoding_under_tp2(models):
+    """ngram drafts: steps with several logits rows a request (the verify path) on the sharded model."""
+    _, path = models["llama"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    one = make_llm(path)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    llm = make_llm(path, tp=2, speculative_method="ngram", num_speculative_tokens=3)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
+
+
+def test_dropping_the_engine_stops_the_workers(models):
+    import gc
+
+    _, path = models["llama"]
+    llm = make_llm(path, tp=2)
+    workers = list(llm.engine.core.executor.workers)
+    del llm
+    gc.collect()
+    assert not any(w.is_alive() for w in workers)
+
+
 def test_bytes_all_reduced_per_step(models):
     """Each layer all-reduces twice (o_proj, down_proj) and the embedding once: (2 L + 1) x tokens x hidden
     x 4 bytes (float32 activations); the head all-gathers each rank's logits rows: rows x V_pad / T x 4."""

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 
 import msgspec
 import torch
@@ -79,6 +80,8 @@ class TPExecutor:
                         for r in range(1, self.size)]
         for w in self.workers:
             w.start()
+        # an engine dropped without shutdown() still takes its workers with it
+        weakref.finalize(self, _terminate, self.workers)
         try:
             self._wait_joined()
             self.group = TPGroup(self.store, 0, self.size, device)
@@ -157,6 +160,13 @@ class TPExecutor:
     @property
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self.workers]
+
+
+def _terminate(workers: list) -> None:
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+            w.join(2)
 
 
 # ---- the worker processes ------------------------------------------------------------
