@@ -217,6 +217,27 @@ class SpeculativeConfig:
                              f"got {self.speculative_quantization!r}")
 
 
+DISTRIBUTED_BACKENDS = ("mp",)  # --distributed-executor-backend: tokenmill starts the ranks itself
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one model spreads over processes (``--tensor-parallel-size``, vLLM's names). T > 1: the engine
+    core is rank 0 (the driver) and starts T - 1 worker processes (tokenmill/distributed/)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        t = self.tensor_parallel_size
+        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+            raise ValueError(f"--tensor-parallel-size must be a positive integer, got {t!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_BACKENDS)} "
+                             f"(external_launcher for torchrun is not built yet), got "
+                             f"{self.distributed_executor_backend!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
@@ -228,6 +249,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # The step-cost model latency targets plan with: a `tokenmill profile` file; None: measured at startup
     step_cost_profile: str | None = None
 
@@ -247,7 +269,8 @@ class EngineConfig:
         """Build from flat keyword arguments (the LLM and CLI spelling): each goes to the config that has it."""
         kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         parts = {}
-        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig)):
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig),
+                          ("parallel", ParallelConfig)):
             own = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         unknown = set(kwargs) - {f.name for f in fields(cls)}

@@ -53,6 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority policy: seconds a request may wait before it is promoted ahead of all "
                         "others (default 30)")
     g.add_argument("--seed", type=int, default=0, help="engine random seed (default 0)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="tensor parallelism: split every layer over this many processes on this machine (gloo on "
+                        "the CPU, NCCL on GPUs); heads and the MLP width must divide by it (default 1)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
+                   help="how tensor-parallel ranks start: mp, worker processes started by tokenmill (default)")
     add_speculative_args(g)
     add_latency_args(p)
 
@@ -141,7 +146,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
                 speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization,
                 itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
-                slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile)
+                slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
+                tensor_parallel_size=a.tensor_parallel_size,
+                distributed_executor_backend=a.distributed_executor_backend)
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

@@ -82,6 +82,14 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.executor = None  # tensor parallelism: the worker ranks (distributed/executor.py)
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         phase = self.startup = StartupPhases()
         self.device = resolve_device(config.device)
         if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
@@ -97,8 +105,12 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
         phase("kernels")
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            tp = self._start_tensor_parallel(config, source)
+            phase("tensor-parallel workers")
         loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
-                            phase=phase)
+                            phase=phase, tp=tp)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -111,8 +123,10 @@ class EngineCore:
         draft = self._load_drafter(spec, phase) if spec.speculative_method == "draft" else None
 
         cache = config.cache
-        # The drafter's KV rides on the target's blocks: one pool, sized for both per block.
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model_config, self.dtype, cache.kv_cache_dtype)
+        # The drafter's KV rides on the target's blocks: one pool, sized for both per block. Under tensor
+        # parallelism each rank holds its KV heads (loaded.model.cfg: this rank's view): sized per rank.
+        shard_config = loaded.model.cfg
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(shard_config, self.dtype, cache.kv_cache_dtype)
         if draft is not None:
             self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
         block_bytes = self.kv_bytes_per_token * cache.block_size
@@ -130,8 +144,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         # Where every token's attention reads only the slots its context has written (the CPU kernels'
         # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
-        kv_tensors = allocate_kv_cache(self.model_config, num_blocks, cache.block_size, self.dtype, self.device,
+        kv_tensors = allocate_kv_cache(shard_config, num_blocks, cache.block_size, self.dtype, self.device,
                                        cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
+        if self.executor is not None:
+            self.executor.start_workers(num_blocks)
         proposer = None
         if spec.speculative_method == "ngram":
             proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -144,6 +160,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
         phase("KV pool")
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        self.runner.executor = self.executor
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
@@ -163,6 +180,28 @@ class EngineCore:
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
         self.start_loop()
+
+    def _start_tensor_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
+        """Check that the model splits (before any process starts), start the worker ranks; this rank's
+        TPGroup."""
+        from tokenmill.distributed.executor import TPExecutor, rank_device
+        from tokenmill.distributed.sharding import check_tensor_parallel
+        from tokenmill.models.loader import model_config_of
+
+        t = config.parallel.tensor_parallel_size
+        if config.scheduler.preemption_mode == "swap":
+            raise ValueError("--preemption-mode swap is not supported with --tensor-parallel-size > 1 yet")
+        check_tensor_parallel(model_config_of(source), t, quantized=config.quantization in ("int8", "int4", "gguf"))
+        self.device = rank_device(self.device, 0)
+        self.executor = TPExecutor(config, self.device)
+        logger.info("tensor parallelism: %d ranks (%s), workers %s", t, "nccl" if self.device.type == "cuda"
+                    else "gloo", self.executor.worker_pids)
+        return self.executor.group
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the in-process core has nothing else to stop)."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def start_loop(self) -> None:
         """The step loop's own bookkeeping (tests call it on a core assembled around a fake runner)."""

@@ -230,11 +230,18 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
 
         from tokenmill.engine.core import EngineCore
 
+        # This process is daemonic (it dies with the front end), and multiprocessing refuses children to
+        # a daemonic process; its tensor-parallel workers are stopped by it, or exit by their own parent
+        # watchdog when it dies (distributed/executor.py), so nothing is left behind.
+        multiprocessing.current_process().daemon = False
         core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
         send(CoreReady(plain_info(core.info), os.getpid(), core.state()))
         gc.collect()
         gc.freeze()  # the model's and the pool's objects stay: collections under load skip them
-        _loop(core, inbox, send)
+        try:
+            _loop(core, inbox, send)
+        finally:
+            core.shutdown()  # its tensor-parallel workers, if any
     except BaseException as e:  # noqa: BLE001 - report whatever kills the core, then exit
         logging.getLogger("tokenmill").error("the engine core died: %r", e, exc_info=e)
         send(CoreFailed(type(e).__name__, str(e) or repr(e), traceback.format_exc()))

@@ -30,6 +30,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (an engine-core process, tensor-parallel workers), if any."""
+        self.engine.shutdown()
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.

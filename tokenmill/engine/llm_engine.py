@@ -109,8 +109,10 @@ class LLMEngine:
         return self.state.num_preemptions
 
     def shutdown(self) -> None:
-        """Stop the engine core's process, if it has one."""
+        """Stop the engine core's process, if it has one, and its tensor-parallel workers, if any."""
         if self._remote:
+            self.core.shutdown()
+        elif hasattr(self.core, "shutdown"):
             self.core.shutdown()
 
     def restart_core(self) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 from tokenmill.engine.messages import StepStats
 from tokenmill.engine.utilization import ProcessCpu
-from tokenmill.layers.moe import expert_imbalance
 from tokenmill.outputs import RequestOutput
 
 request_logger = logging.getLogger("tokenmill.requests")
@@ -101,6 +100,7 @@ class LoggingStatLogger:
         """The router's load balance over the interval: busiest expert over the mean, worst layer."""
         if not any(sum(c) for c in self.expert_tokens):
             return ""
+        from tokenmill.layers.moe import expert_imbalance  # here: layers/ imports torch
         return f"; experts: busiest {expert_imbalance(self.expert_tokens):.2f}x the mean (worst layer)"
 
     def _plan_text(self) -> str:

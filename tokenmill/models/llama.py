@@ -49,8 +49,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int) -> None:
+    """cfg: this rank's view under tensor parallelism (its heads); ``tp`` sums o_proj's partial outputs."""
+
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int, tp=None) -> None:
         super().__init__()
+        self.tp = tp
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
@@ -83,12 +86,14 @@ class Attention(nn.Module):
             q, k = RotaryEmbedding.apply(q, k, *rope_tables)
         o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta,
                                  scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        out = self.o_proj(o.reshape(t, self.h * self.d))
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", tp=None) -> None:
         super().__init__()
+        self.tp = tp  # tensor parallel: this rank's slice of the width; down_proj's partial sums all-reduced
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gelu = act == "gelu_tanh"
@@ -96,17 +101,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and not self.gelu:
-            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+            out = self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(act * up)
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int, tp=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, layer)
+        self.self_attn = Attention(cfg, backend, layer, tp)
         # Llama: the norm before the MLP. Gemma 2 (sandwich): the norm of the attention's output, with
         # pre_feedforward_layernorm before the MLP and post_feedforward_layernorm after it.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -120,7 +127,7 @@ class DecoderLayer(nn.Module):
                                  cfg.moe_intermediate_size, cfg.norm_topk_prob,
                                  MLP(cfg.hidden_size, shared) if shared else None)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
 
     def forward(self, x, rope_tables, kv, meta):
         if self.sandwich:
@@ -131,14 +138,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int) -> None:
+    """``tp`` (a distributed.group.TPGroup): tensor parallelism. The model is then this rank's shard:
+    ``cfg`` its view (its query and KV heads, its MLP width; distributed/sharding.py), the embedding and
+    head its rows of the padded vocabulary; the weights arrive sliced (models/loader.py)."""
+
+    def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int, tp=None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))  # (no random init)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
+        from tokenmill.distributed.sharding import local_config, padded_vocab
+
+        self.tp = tp
+        self.cfg = cfg = cfg if tp is None else local_config(cfg, tp.size)
+        rows = self.vocab_rows = cfg.vocab_size if tp is None else padded_vocab(cfg.vocab_size, tp.size) // tp.size
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size,
+                                         _weight=torch.empty(rows, cfg.hidden_size))  # (no random init)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, rows, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.ops = None
@@ -179,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         without ~20 Python-dispatched ops per layer. None where it does not apply (a quantized KV
         cache, or float weights)."""
         ops = self.ops
+        if self.tp is not None:  # the collectives sit between the layer halves: the per-layer path
+            return None
         if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches) \
                 or not self.cfg.is_plain_llama:
             return None
@@ -201,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
     ) -> torch.Tensor:  # [N, V] float32
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_parallel(input_ids)
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the model dtype, as transformers does
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         rope_tables = self.rope.tables(positions)
@@ -220,8 +237,18 @@ class LlamaForCausalLM(nn.Module):
         else:
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(x, head).float()
+        if self.tp is not None:  # each rank's slice of the vocabulary, in rank order; drop the padding
+            logits = self.tp.all_gather(logits, dim=-1)[:, : self.cfg.vocab_size]
         cap = self.cfg.final_logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel lookup: each rank embeds the ids in its rows (zeros elsewhere); one all-reduce."""
+        local = input_ids - self.tp.rank * self.vocab_rows
+        mine = (local >= 0) & (local < self.vocab_rows)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        x = x * mine.unsqueeze(-1).to(x.dtype)
+        return self.tp.all_reduce_(x)
 
     def take_expert_tokens(self) -> list[list[int]] | None:
         """Tokens routed to each expert since the last call, per layer ([] for a dense layer), and restart

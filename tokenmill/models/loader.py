@@ -41,10 +41,18 @@ def resolve_quantization(mode: str, reader, device: torch.device, dtype: torch.d
     return "gguf" if reader is not None and fast and gguf_layers_quantized(reader) else "none"
 
 
+def model_config_of(source: ModelSource) -> ModelConfig:
+    """The model's architecture, read without loading its weights."""
+    if source.format == "gguf":
+        return gguf_model_config(open_gguf(source.path))
+    return hf_model_config(source.path)
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
                attention_backend: str = "torch", quantization: str = "none",
-               phase: Callable[[str], None] = lambda name: None) -> LoadedModel:
-    """phase(name) is called as each startup phase ends (tokenizer, weights)."""
+               phase: Callable[[str], None] = lambda name: None, tp=None) -> LoadedModel:
+    """phase(name) is called as each startup phase ends (tokenizer, weights). ``tp`` (a TPGroup): load
+    this tensor-parallel rank's shard (distributed/sharding.py)."""
     raw = reader = None
     if source.format == "gguf":
         reader = open_gguf(source.path)
@@ -61,6 +69,16 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
             raw = gguf_quantized_weights(reader, cfg)
         kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
         weights = gguf_weights(reader, cfg, frozenset(kept))
+    if tp is not None and tp.size > 1:
+        from tokenmill.distributed.sharding import check_tensor_parallel, shard_quantized, shard_weight
+
+        check_tensor_parallel(cfg, tp.size, quantized=quantization != "none")
+        rank, size = tp.rank, tp.size
+        weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size)) for n, w in weights)
+        if raw:
+            raw = {n: shard_quantized(n, q, cfg, rank, size) for n, q in raw.items()}
+    else:
+        tp = None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{cfg.max_position_embeddings}")
@@ -70,7 +88,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len)
+        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len, tp)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(weights)

@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from tokenmill.engine.async_engine import EngineSnapshot
 from tokenmill.engine.messages import StepStats
 from tokenmill.engine.utilization import PHASES, Nvml, UtilizationMeter
-from tokenmill.layers.moe import expert_imbalance
 from tokenmill.outputs import RequestOutput
 
 # vLLM's buckets
@@ -188,6 +187,7 @@ class ServerMetrics:
                 for expert, n in enumerate(counts):
                     if n:
                         self._expert_tokens.labels(self._model_name, str(layer), str(expert)).inc(n)
+            from tokenmill.layers.moe import expert_imbalance  # here: layers/ imports torch
             self._expert_imbalance.labels(self._model_name).set(expert_imbalance(stats.expert_tokens))
 
     def on_request_finished(self, output: RequestOutput, now: float) -> None:

@@ -84,6 +84,9 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
         self.grammars: GrammarCompiler | None = None  # set by the engine: structured outputs
+        # tensor parallelism, on the driver (rank 0): every forward pass is first sent to the workers,
+        # which run the same one on their shards (distributed/executor.py)
+        self.executor = None
 
     # ---- request state ---------------------------------------------------------------
 
@@ -137,7 +140,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
         order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
-        input_ids, pos_t, meta = self._inputs(order)
 
         # Logits only for rows that end their request's known tokens, for each drafted position, and
         # for the prompt rows of requests that asked for prompt logprobs.
@@ -151,8 +153,7 @@ class ModelRunner:
             if s.needs_logits:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
-        logits_idx = torch.tensor(sample_rows + [r for _, r, _ in prompt_rows], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, pos_t, self.kv_caches, meta, logits_idx)
+        logits = self._forward(order, sample_rows + [r for _, r, _ in prompt_rows])
         if self.device.type == "cuda":  # the kernels are queued: wait for them, or sampling's wait counts them
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
@@ -201,20 +202,30 @@ class ModelRunner:
         """Next-token logits after every prefix of token_ids ([len - 1, vocab]), computed as one prefill
         chunk into block_table's blocks through the same inputs a scheduled step gets."""
         s = ScheduledRequest("__score__", list(token_ids), 0, list(block_table), True)
-        input_ids, pos_t, meta = self._inputs([s])
-        return self.model(input_ids, pos_t, self.kv_caches, meta, pos_t[:-1])
+        return self._forward([s], list(range(len(token_ids) - 1)))
 
     def time_forward(self, num_tokens: int, block_table: list[int], repeats: int = 3, warm_up: bool = True) -> float:
         """Median seconds of a forward pass over num_tokens of one request at position 0 (logits for
         each), after a warm-up: what the speculative off rule is calibrated with."""
         s = ScheduledRequest("__probe__", [0] * num_tokens, 0, list(block_table), True)
-        input_ids, pos_t, meta = self._inputs([s])
         times = []
         for _ in range(repeats + int(warm_up)):
             t = time.perf_counter()
-            self.model(input_ids, pos_t, self.kv_caches, meta, pos_t)
+            self._forward([s], list(range(num_tokens)))
             times.append(time.perf_counter() - t)
         return sorted(times[int(warm_up):])[repeats // 2]
+
+    def _forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+        """One forward pass over ``order`` (decodes first), logits for ``logits_rows`` of the flat batch.
+        Under tensor parallelism the driver sends the same pass to every worker first."""
+        if self.executor is not None:
+            return self.executor.run_forward(order, logits_rows, self._local_forward)
+        return self._local_forward(order, logits_rows)
+
+    def _local_forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+        input_ids, pos_t, meta = self._inputs(order)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos_t, self.kv_caches, meta, rows)
 
     def _inputs(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata for requests laid out decodes first (one

@@ -1,0 +1,312 @@
+"""Tensor parallelism (--tensor-parallel-size): tiny random Llama and Qwen2 models split over 2 ranks
+(gloo on the CPU, worker processes started by the engine) against transformers and the single-process
+run; the collectives' bytes against the formula; a killed worker; and the checks that refuse a split.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import tiny_models as tm
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ModelConfig
+from tokenmill.distributed.sharding import check_tensor_parallel, padded_vocab, shard_quantized, shard_weight
+from tokenmill.layers.quant import quantize_int4, quantize_q8_0
+
+transformers = pytest.importorskip("transformers")
+
+N_GEN = 8
+PROMPTS = [list(range(5, 45)), [7, 100, 3, 250, 19, 4, 88]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=N_GEN, ignore_eos=True)
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls: one thread in this process, and one in each worker."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ["TOKENMILL_TP_THREADS"] = "1"
+    yield
+    os.environ.pop("TOKENMILL_TP_THREADS", None)
+    torch.set_num_threads(n)
+
+
+def make_llm(path, tp: int = 1, **kw) -> LLM:
+    kw.setdefault("quantization", "none")
+    return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp, **kw)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (transformers model, its folder): Llama (4 heads, 2 KV heads), Qwen2 (q/k/v bias), an
+    MQA Llama (1 KV head: replicated on both ranks) and a Llama with an odd vocabulary (321 rows: padded
+    to 322, 161 a rank) and untied head."""
+    out = {}
+    for name, arch, kw in (("llama", "llama", {}), ("qwen2", "qwen2", {}),
+                           ("mqa", "llama", {"num_key_value_heads": 1}),
+                           ("odd-vocab", "llama", {"vocab_size": 321, "tie_word_embeddings": False})):
+        m = tm.random_hf_model(arch, **kw)
+        out[name] = m, tm.save_hf_folder(m, tmp_path_factory.mktemp(name))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mqa", "odd-vocab"])
+def test_float_tp2_matches_transformers_and_one_process(models, name):
+    ref, path = models[name]
+    one = make_llm(path)
+    want = greedy(one)
+    one.shutdown()
+    llm = make_llm(path, tp=2)
+    try:
+        ids = PROMPTS[0]
+        err = rel_err(llm.engine.core.prompt_logits(ids), tm.hf_logits(ref, ids)[:-1])
+        assert err < TOL, f"TP=2 logits differ from transformers: relative error {err:.2e}"
+        got = greedy(llm)
+        assert got == want
+        assert got[0] == tm.hf_greedy(ref, PROMPTS[0], N_GEN)
+        assert llm.engine.model_config.num_heads == ref.config.num_attention_heads  # the whole model's view
+        assert llm.engine.core.runner.model.cfg.num_heads == ref.config.num_attention_heads // 2  # the shard's
+    finally:
+        llm.shutdown()
+
+
+def test_int8_tp2_matches_one_process(models):
+    """int8 scales are per output row: o_proj and down_proj rows are quantized over each rank's columns,
+    so logits are close to (not bit-equal with) the single-process int8 run; greedy tokens equal."""
+    _, path = models["llama"]
+    one = make_llm(path, quantization="int8")
+    want, want_logits = greedy(one), one.engine.core.prompt_logits(PROMPTS[0])
+    one.shutdown()
+    llm = make_llm(path, tp=2, quantization="int8")
+    try:
+        assert rel_err(llm.engine.core.prompt_logits(PROMPTS[0]), want_logits) < 2e-2
+        assert greedy(llm) == want
+    finally:
+        llm.shutdown()
+
+
+def test_speculative_decoding_under_tp2(models):
+    """ngram drafts: steps with several logits rows a request (the verify path) on the sharded model."""
+    _, path = models["llama"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    one = make_llm(path)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    llm = make_llm(path, tp=2, speculative_method="ngram", num_speculative_tokens=3)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
+
+
+def test_dropping_the_engine_stops_the_workers(models):
+    import gc
+
+    _, path = models["llama"]
+    llm = make_llm(path, tp=2)
+    workers = list(llm.engine.core.executor.workers)
+    del llm
+    gc.collect()
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_bytes_all_reduced_per_step(models):
+    """Each layer all-reduces twice (o_proj, down_proj) and the embedding once: (2 L + 1) x tokens x hidden
+    x 4 bytes (float32 activations); the head all-gathers each rank's logits rows: rows x V_pad / T x 4."""
+    ref, path = models["llama"]
+    c = ref.config
+    llm = make_llm(path, tp=2, enable_prefix_caching=False)
+    try:
+        group = llm.engine.core.runner.executor.group
+        group.reset_counters()
+        n = len(PROMPTS[0])
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+        steps, tokens = N_GEN, n + N_GEN - 1  # a prefill step, then N_GEN - 1 one-token decode steps
+        per_token = (2 * c.num_hidden_layers + 1) * c.hidden_size * 4
+        assert group.all_reduce_calls == (2 * c.num_hidden_layers + 1) * steps
+        assert group.all_reduce_bytes == tokens * per_token
+        assert group.all_gather_calls == steps  # one logits row a step
+        assert group.all_gather_bytes == steps * padded_vocab(c.vocab_size, 2) // 2 * 4
+        # a decode step of one token: 2 L + 1 all-reduces of hidden x 4 bytes
+        assert per_token == (2 * 2 + 1) * 64 * 4
+    finally:
+        llm.shutdown()
+
+
+def test_killed_worker_fails_the_next_generate_and_leaves_no_process(models):
+    _, path = models["llama"]
+    llm = make_llm(path, tp=2)
+    executor = llm.engine.core.executor
+    try:
+        assert greedy(llm)
+        (pid,) = executor.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor parallelism failed: worker rank 1 .* exited with code -9"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t < 30, "a dead worker must fail the step, not hang it"
+        assert not any(w.is_alive() for w in executor.workers)
+        with pytest.raises(RuntimeError, match="tensor parallelism failed"):  # and every later step
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not any(w.is_alive() for w in executor.workers)
+
+
+def test_a_hung_worker_times_the_step_out(models, monkeypatch):
+    """A worker that stops answering (SIGSTOP) fails the step after $TOKENMILL_TP_TIMEOUT_S; none is left."""
+    _, path = models["llama"]
+    monkeypatch.setenv("TOKENMILL_TP_TIMEOUT_S", "3")
+    llm = make_llm(path, tp=2)
+    executor = llm.engine.core.executor
+    try:
+        assert greedy(llm)
+        os.kill(executor.worker_pids[0], signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor parallelism failed: a worker stopped answering"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t < 20
+    finally:
+        llm.shutdown()
+    assert not any(w.is_alive() for w in executor.workers)
+
+
+def test_shutdown_joins_the_workers(models):
+    _, path = models["llama"]
+    llm = make_llm(path, tp=2)
+    workers = llm.engine.core.executor.workers
+    llm.shutdown()
+    assert all(w.exitcode == 0 for w in workers)
+
+
+# ---- refusals: before any process starts -------------------------------------------------
+
+
+def test_a_size_that_does_not_divide_is_a_clear_error(models):
+    _, path = models["llama"]  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"4 query heads do not divide by --tensor-parallel-size 3: use "
+                                         r"--tensor-parallel-size 2 or 4"):
+        make_llm(path, tp=3)
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_checks_name_the_sizes():
+    check_tensor_parallel(cfg(), 2, quantized=True)
+    check_tensor_parallel(cfg(num_kv_heads=1), 4, quantized=False)  # 1 KV head: replicated
+    check_tensor_parallel(cfg(num_heads=8, num_kv_heads=4, head_dim=8), 8, quantized=False)  # 2 ranks a KV head
+    with pytest.raises(ValueError, match="4 KV heads neither divide by --tensor-parallel-size 6 nor divide it"):
+        check_tensor_parallel(cfg(num_heads=12, num_kv_heads=4, head_dim=8, intermediate_size=120), 6, False)
+    with pytest.raises(ValueError, match=r"intermediate size 90\) does not divide by --tensor-parallel-size 4"):
+        check_tensor_parallel(cfg(intermediate_size=90), 4, quantized=False)
+    with pytest.raises(ValueError, match=r"o_proj's 64 inputs / 4 ranks = 16, not a multiple of 32.*"
+                                         r"--quantization none"):
+        check_tensor_parallel(cfg(), 4, quantized=True)
+    with pytest.raises(ValueError, match="expert parallelism .* is not built yet"):
+        check_tensor_parallel(cfg(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 2, False)
+
+
+# ---- sharding --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", [quantize_q8_0, quantize_int4])
+def test_quantized_shards_are_the_float_shards(quantize):
+    """Slicing the blocks (rows; columns on whole blocks) gives the blocks of the float slice."""
+    c = cfg()
+    g = torch.Generator().manual_seed(0)
+    for name, shape in (("model.layers.0.self_attn.q_proj.weight", (64, 64)),
+                        ("model.layers.0.self_attn.o_proj.weight", (64, 64)),
+                        ("model.layers.1.mlp.down_proj.weight", (64, 128)),
+                        ("model.embed_tokens.weight", (321, 64))):
+        w = torch.randn(shape, generator=g)
+        qt = quantize(w)
+        for rank in range(2):
+            got = shard_quantized(name, qt, c, rank, 2).dequantize()
+            want = shard_weight(name, qt.dequantize(), c, rank, 2)
+            assert torch.equal(got, want), (name, rank)
+
+
+def test_vocab_padding_and_replicated_kv_rows():
+    c = cfg(vocab_size=321, num_kv_heads=1)
+    emb = torch.arange(321.0)[:, None].expand(321, 64)
+    shards = [shard_weight("model.embed_tokens.weight", emb, c, r, 2) for r in range(2)]
+    assert [s.shape[0] for s in shards] == [161, 161]
+    assert torch.equal(torch.cat(shards)[:321], emb) and not torch.cat(shards)[321:].any()
+    k = torch.randn(16, 64)
+    for r in range(2):  # both ranks hold the one KV head
+        assert torch.equal(shard_weight("model.layers.0.self_attn.k_proj.weight", k, c, r, 2), k)
+
+
+def test_cli_flags():
+    import argparse
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    a = p.parse_args(["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(a)).parallel.tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="--tensor-parallel-size must be a positive integer"):
+        EngineConfig.from_kwargs(tensor_parallel_size=0)
+
+
+def test_engine_core_process_starts_and_stops_its_workers(models):
+    """--engine-core-process: the core process is rank 0 and starts the workers itself."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    _, path = models["llama"]
+    one = make_llm(path)
+    want = greedy(one)
+    one.shutdown()
+    remote = LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", kv_cache_memory="16MiB",
+                                                quantization="none", tensor_parallel_size=2), core_process=True)
+    try:
+        for i, ids in enumerate(PROMPTS):
+            remote.add_request(ids, GREEDY, request_id=str(i))
+        done = {}
+        while remote.has_unfinished_requests():
+            for out in remote.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert [done[str(i)] for i in range(len(PROMPTS))] == want
+    finally:
+        remote.shutdown()
+    assert remote.core.process.exitcode is not None
+
+
+@pytest.mark.slow
+def test_tp3_on_the_real_model_gives_the_single_process_tokens(llm_default):
+    """The embedded model (9 query heads, 3 KV heads, hidden 576) in the default gguf mode on 3 ranks:
+    o_proj's 576 inputs split into 192 (6 whole Q8_0/Q4_1 blocks), the MLP's 1536 into 512."""
+    from tokenmill.models.registry import DEFAULT_MODEL
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm_default.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(DEFAULT_MODEL, kv_cache_memory="256MiB", max_model_len=2048, tensor_parallel_size=3)
+    try:
+        assert llm.engine.quantization == llm_default.engine.quantization
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    finally:
+        llm.shutdown()

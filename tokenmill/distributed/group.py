@@ -1,0 +1,97 @@
+"""The tensor-parallel process group: rank, size, and the two collectives the model needs.
+
+Built straight on torch.distributed's process-group classes over a TCPStore on 127.0.0.1 (the driver
+binds a free port; the workers connect to it), not on the global default group, so an engine can be
+made, shut down and made again in one process. gloo on the CPU, NCCL on GPUs: the same calls.
+
+Two groups share the store: ``compute`` for the forward pass's collectives, with a timeout
+($TOKENMILL_TP_TIMEOUT_S, default 300 s, read when the group is made) after which a hung rank makes the step fail, and ``control``
+for the driver's step messages, which a worker waits on for as long as the engine sits idle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+
+def compute_timeout_s() -> float:
+    """Seconds a collective of the forward pass may wait before the step fails ($TOKENMILL_TP_TIMEOUT_S)."""
+    return float(os.environ.get("TOKENMILL_TP_TIMEOUT_S", "300"))
+
+IDLE_TIMEOUT = datetime.timedelta(days=7)  # a worker waiting for the next step: as long as the server idles
+
+
+def _new_group(store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def create_store(size: int) -> dist.TCPStore:
+    """The driver's rendezvous store on a free loopback port (``store.port`` tells the workers)."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=compute_timeout_s()))
+
+
+def connect_store(port: int, size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                         timeout=datetime.timedelta(seconds=compute_timeout_s()))
+
+
+class TPGroup:
+    """This rank's place in the tensor-parallel group, with byte counters for the communication test."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.compute = _new_group(dist.PrefixStore("compute/", store), rank, size, device,
+                                  datetime.timedelta(seconds=compute_timeout_s()))
+        self.control = _new_group(dist.PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
+        self.store = store  # (kept alive: the groups rendezvous through it)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.all_reduce_bytes = self.all_gather_bytes = 0
+        self.all_reduce_calls = self.all_gather_calls = 0
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        self.all_reduce_bytes += x.numel() * x.element_size()
+        self.all_reduce_calls += 1
+        self.compute.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order. Counts the bytes this rank sends."""
+        x = x.contiguous()
+        self.all_gather_bytes += x.numel() * x.element_size()
+        self.all_gather_calls += 1
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.compute.allgather([parts], [x]).wait()
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """The driver's ``data`` on every rank (workers pass None): the length first, then the bytes, as
+        uint8 tensors on the control group (messages are msgpack, never pickle)."""
+        dev = self.device
+        # The driver sends under the compute timeout (a hung worker fails the step); a worker waits for
+        # as long as the engine idles (the control group's own timeout).
+        wait = dict(timeout=datetime.timedelta(seconds=compute_timeout_s())) if self.rank == 0 else {}
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+        self.control.broadcast(n, 0, **wait).wait()
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else \
+                torch.empty(0, dtype=torch.uint8, device=dev)
+        else:
+            buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+        if buf.numel():
+            self.control.broadcast(buf, 0, **wait).wait()
+        return buf.cpu().numpy().tobytes()
