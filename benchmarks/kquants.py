@@ -8,6 +8,8 @@ kernels on the file's own Q8_0/Q4_1/Q5_0/Q4_K/Q6_K blocks, exactly), the weights
 single-stream decode plus 512-token prefill speed in the default mode, all files in one run.
 
     python benchmarks/kquants.py --text ../shared/data/tinyshakespeare.txt
+    # llama.cpp's own files (llama-quantize --allow-requantize EMBEDDED.gguf OUT.gguf Q4_K_M, ...)
+    python benchmarks/kquants.py --text ../shared/data/tinyshakespeare.txt --no-requantize --gguf DIR/*.gguf
 """
 
 from __future__ import annotations
@@ -53,13 +55,18 @@ def main() -> None:
     ap.add_argument("--text", required=True, help="plain text for perplexity (tinyshakespeare)")
     ap.add_argument("--num-tokens", type=int, default=8192)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--gguf", nargs="*", default=[], type=Path,
+                    help="more files in the table, e.g. llama-quantize's own Q2_K ... Q6_K of the embedded model")
+    ap.add_argument("--no-requantize", action="store_true",
+                    help="leave out the files tests/kquants.py writes (when --gguf brings llama.cpp's)")
     a = ap.parse_args()
     text = Path(a.text).read_text()
     src = resolve_model(DEFAULT_MODEL).path
     tmp = Path(tempfile.mkdtemp(prefix="kquants-"))
     files = {"Q4_1/Q8_0 (embedded)": src}
-    for recipe in ("Q6_K", "Q4_K_M"):
+    for recipe in () if a.no_requantize else ("Q6_K", "Q4_K_M"):
         files[recipe] = kquants.requantize_gguf(src, tmp / f"{recipe}.gguf", recipe)
+    files.update({f.stem: f for f in a.gguf})
     rows = {}
     for name, path in files.items():
         row = {"file_MiB": path.stat().st_size / 2**20}
