@@ -155,20 +155,28 @@ def test_batch_invariance_property_in_every_mode(mode):
 
 @needs_kernels
 def test_batch_invariance_property_catches_a_broken_kernel(llm_default):
-    """Negative control: the torch attention paths (batched SDPA for decodes, one call per prefill chunk)
-    reduce a token's context differently by step composition; the property must notice."""
+    """Negative control: the torch paths a batch-variant engine would take (SDPA for attention, and
+    torch's own GEMM on the dequantized o_proj, which picks its blocking by the number of rows) round a
+    token differently by step composition; the property must notice. (SDPA alone is not enough: on some
+    CPUs its reductions happen not to depend on the batch.)"""
     model = llm_default.engine.runner.model
     backends = [layer.self_attn.backend for layer in model.layers]
     fused = model._fused_layers
+    projs = [layer.self_attn.o_proj for layer in model.layers]
+    dense = [p.weight.dequantize(torch.float32) for p in projs]
     try:
         model._fused_layers = lambda *args: None
         for b in backends:
             b.ops = None
+        for p, w in zip(projs, dense):
+            p.forward = lambda x, w=w: torch.nn.functional.linear(x, w)
         assert invariance_violations(llm_default, trials=6, seed=0) > 0
     finally:
         model._fused_layers = fused
         for b in backends:
             b.ops = cpu_kernels()
+        for p in projs:
+            del p.forward
 
 
 def test_score_reads_what_decoding_reads(llm_default):
