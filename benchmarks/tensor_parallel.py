@@ -3,6 +3,12 @@ collectives move per step (TPGroup's counters), on one 16-token prompt and 64 gr
 
     python benchmarks/tensor_parallel.py --model /path/to/hf-folder --quantization none --sizes 1,2
     python benchmarks/tensor_parallel.py --sizes 1,3     # the embedded model, default (gguf) mode
+    python benchmarks/tensor_parallel.py --moe mixtral --sizes 1,2 --expert-parallel
+
+``--moe FAMILY`` writes a random mixture-of-experts model of that family (mixtral, qwen2_moe, olmoe; 8
+experts, hidden 512, 4 layers) to a temporary folder and runs it; ``--expert-parallel`` runs each T > 1
+twice, splitting every expert's width and then whole experts. Besides the decode step, a batch of 8
+prompts reports output tokens per second.
 
 Every process runs one torch thread (the engine's own process and each worker), so T ranks use T cores.
 """
@@ -12,6 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 
@@ -23,31 +33,58 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--sizes", default="1,2")
+    p.add_argument("--moe", choices=["mixtral", "qwen2_moe", "olmoe"], help="a random MoE model of this family")
+    p.add_argument("--expert-parallel", action="store_true", help="also run each T > 1 with --enable-expert-parallel")
     a = p.parse_args()
     os.environ["TOKENMILL_TP_THREADS"] = "1"
     torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_moe(a.moe, Path(tmp)) if a.moe else a.model
+        runs = [(t, ep) for t in map(int, a.sizes.split(",")) for ep in ([False, True] if a.expert_parallel
+                                                                          and t > 1 else [False])]
+        for t, ep in runs:
+            run(model, a.quantization, t, ep)
+
+
+def write_moe(family: str, folder: Path) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import tiny_models
+
+    m = tiny_models.random_hf_model(family, hidden_size=512, intermediate_size=1024, moe_intermediate_size=512,
+                                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                    head_dim=64, mlp_only_layers=[], shared_expert_intermediate_size=1024)
+    print(f"{family}: {sum(p.numel() for p in m.parameters()) / 1e6:.0f}M parameters, "
+          f"{m.config.num_experts_per_tok} of 8 experts a token")
+    return str(tiny_models.save_hf_folder(m, folder))
+
+
+def run(model: str, quantization: str, t: int, ep: bool) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompt = list(range(5, 21))
-    for t in map(int, a.sizes.split(",")):
-        llm = LLM(a.model, quantization=a.quantization, kv_cache_memory="64MiB", enable_prefix_caching=False,
-                  tensor_parallel_size=t)
-        try:
-            llm.generate([prompt], params, use_tqdm=False)  # warm-up
-            engine, executor = llm.engine, llm.engine.core.executor
-            if executor is not None:
-                executor.group.reset_counters()
-            engine.step_stats.clear()
-            llm.generate([prompt], params, use_tqdm=False)
-            decode = [s for s in engine.step_stats if s.num_decode_tokens == 1 and not s.num_prefill_tokens]
-            print(f"T={t}: decode step median {1e3 * statistics.median(s.duration for s in decode):.3f} ms "
-                  f"(forward {1e3 * statistics.median(s.forward_s for s in decode):.3f} ms), {len(decode)} steps")
-            if executor is not None:
-                g = executor.group
-                print(f"  driver, {len(engine.step_stats)} steps ({len(prompt)} + 63 tokens): {g.all_reduce_calls} "
-                      f"all-reduces, {g.all_reduce_bytes} bytes; {g.all_gather_calls} all-gathers, "
-                      f"{g.all_gather_bytes} bytes sent")
-        finally:
-            llm.shutdown()
+    name = f"T={t}{' EP' if ep else ''}"
+    llm = LLM(model, quantization=quantization, kv_cache_memory="64MiB", enable_prefix_caching=False,
+              tensor_parallel_size=t, enable_expert_parallel=ep)
+    try:
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        engine, executor = llm.engine, llm.engine.core.executor
+        if executor is not None:
+            executor.group.reset_counters()
+        engine.step_stats.clear()
+        llm.generate([prompt], params, use_tqdm=False)
+        decode = [s for s in engine.step_stats if s.num_decode_tokens == 1 and not s.num_prefill_tokens]
+        print(f"{name}: decode step median {1e3 * statistics.median(s.duration for s in decode):.3f} ms "
+              f"(forward {1e3 * statistics.median(s.forward_s for s in decode):.3f} ms), {len(decode)} steps")
+        if executor is not None:
+            g = executor.group
+            print(f"  driver, {len(engine.step_stats)} steps ({len(prompt)} + 63 tokens): {g.all_reduce_calls} "
+                  f"all-reduces, {g.all_reduce_bytes} bytes; {g.all_gather_calls} all-gathers, "
+                  f"{g.all_gather_bytes} bytes sent")
+        batch = [[5 + i] + prompt for i in range(8)]
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        print(f"  batch of 8: {8 * params.max_tokens / (time.perf_counter() - start):.1f} output tok/s")
+    finally:
+        llm.shutdown()
 
 
 if __name__ == "__main__":

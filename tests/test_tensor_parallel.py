@@ -84,6 +84,51 @@ def test_float_tp2_matches_transformers_and_one_process(models, name):
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """Tiny random Mixtral, Qwen2-MoE (shared expert, a dense layer) and OLMoE (q/k norms over all heads),
+    8 experts each (tests/tiny_models.py)."""
+    out = {}
+    for family in ("mixtral", "qwen2_moe", "olmoe"):
+        m = tm.random_hf_model(family, seed=7)
+        out[family] = m, tm.save_hf_folder(m, tmp_path_factory.mktemp(family))
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_tp2_with_and_without_expert_parallelism(moe_models, family):
+    """TP=2 splitting every expert's width, and EP=2 (--enable-expert-parallel: 4 whole experts a rank):
+    logits against transformers, greedy tokens against one process, the router's counts whole on the
+    driver, and one all-reduce per MoE layer as for a dense MLP (OLMoE: one more for its q/k norms)."""
+    ref, path = moe_models[family]
+    c = ref.config
+    one = make_llm(path)
+    want = greedy(one)
+    one.shutdown()
+    ids = PROMPTS[0]
+    for ep in (False, True):
+        llm = make_llm(path, tp=2, enable_expert_parallel=ep)
+        try:
+            moe = next(layer.mlp for layer in llm.engine.core.runner.model.layers if hasattr(layer.mlp, "w_down"))
+            assert (moe.first_expert, moe.w_down.shape[0]) == ((0, 4) if ep else (0, 8))
+            group = llm.engine.core.runner.executor.group
+            group.reset_counters()
+            llm.engine.core.runner.model.take_expert_tokens()
+            err = rel_err(llm.engine.core.prompt_logits(ids), tm.hf_logits(ref, ids)[:-1])
+            counts = llm.engine.core.runner.model.take_expert_tokens()
+            assert all(sum(layer) == len(ids) * c.num_experts_per_tok for layer in counts if layer)  # all experts'
+            assert [bool(layer) for layer in counts] == [i not in (c.mlp_only_layers if family == "qwen2_moe" else [])
+                                                         for i in range(c.num_hidden_layers)]
+            assert err < TOL, f"TP=2 (ep={ep}) logits differ from transformers: relative error {err:.2e}"
+            layers = c.num_hidden_layers
+            norms = layers if family == "olmoe" else 0
+            assert group.all_reduce_calls == 2 * layers + 1 + norms
+            assert group.all_reduce_bytes == len(ids) * ((2 * layers + 1) * c.hidden_size + 2 * norms) * 4
+            assert greedy(llm) == want, f"ep={ep}"
+        finally:
+            llm.shutdown()
+
+
 def test_int8_tp2_matches_one_process(models):
     """int8 scales are per output row: o_proj and down_proj rows are quantized over each rank's columns,
     so logits are close to (not bit-equal with) the single-process int8 run; greedy tokens equal."""
@@ -220,8 +265,49 @@ def test_checks_name_the_sizes():
     with pytest.raises(ValueError, match=r"o_proj's 64 inputs / 4 ranks = 16, not a multiple of 32.*"
                                          r"--quantization none"):
         check_tensor_parallel(cfg(), 4, quantized=True)
-    with pytest.raises(ValueError, match="expert parallelism .* is not built yet"):
-        check_tensor_parallel(cfg(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), 2, False)
+    moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=90)
+    check_tensor_parallel(cfg(**moe), 2, quantized=False)  # no dense MLP: intermediate_size is not split
+    check_tensor_parallel(cfg(**moe), 2, quantized=False, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"6 experts do not divide by --tensor-parallel-size 4: use "
+                                         r"--tensor-parallel-size 2$"):
+        check_tensor_parallel(cfg(**moe, num_heads=8, num_kv_heads=4, head_dim=8), 4, False, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"each expert's width \(30\) does not divide .*\(--enable-expert-parallel"):
+        check_tensor_parallel(cfg(**{**moe, "moe_intermediate_size": 30}, num_heads=8, num_kv_heads=4,
+                                  head_dim=8), 4, False)
+    with pytest.raises(ValueError, match=r"shared expert's width \(90\) does not divide"):
+        check_tensor_parallel(cfg(**moe, shared_expert_intermediate_size=90, num_heads=8, num_kv_heads=4,
+                                  head_dim=8), 4, False)
+    with pytest.raises(ValueError, match="q/k norm over all heads .* not replicated"):
+        check_tensor_parallel(cfg(num_kv_heads=1, qk_norm="all"), 2, False)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_expert_shards_cover_each_expert_once(expert_parallel):
+    """Per-expert tensors (Qwen2-MoE/OLMoE names and Mixtral's) and transformers 5's stacked ones: the
+    ranks' slices put back together are the whole, and under expert parallelism a rank loads only its own."""
+    from tokenmill.distributed.sharding import expert_range, holds_weight
+
+    c = cfg(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    gate_up, down = torch.randn(4, 64, 64), torch.randn(4, 64, 32)  # [E, 2I, H], [E, H, I]
+    stacked = [(shard_weight("model.layers.0.mlp.experts.gate_up_proj", gate_up, c, r, 2, expert_parallel),
+                shard_weight("model.layers.0.mlp.experts.down_proj", down, c, r, 2, expert_parallel))
+               for r in range(2)]
+    if expert_parallel:
+        assert [expert_range(4, r, 2, True) for r in range(2)] == [(0, 2), (2, 4)]
+        assert torch.equal(torch.cat([g for g, _ in stacked]), gate_up)
+        assert torch.equal(torch.cat([d for _, d in stacked]), down)
+    else:  # each rank: its half of every expert's gate rows, up rows and down columns
+        halves = [g.split(16, dim=1) for g, _ in stacked]
+        assert torch.equal(torch.cat([halves[0][0], halves[1][0], halves[0][1], halves[1][1]], dim=1), gate_up)
+        assert torch.equal(torch.cat([d for _, d in stacked], dim=2), down)
+    w1, w2 = torch.randn(32, 64), torch.randn(64, 32)
+    for e in range(4):
+        for name, w, dim in ((f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight", w1, 0),
+                             (f"model.layers.1.mlp.experts.{e}.down_proj.weight", w2, 1)):
+            owners = [r for r in range(2) if holds_weight(name, c, r, 2, expert_parallel)]
+            parts = [shard_weight(name, w, c, r, 2, expert_parallel) for r in owners]
+            assert owners == ([e // 2] if expert_parallel else [0, 1])
+            assert torch.equal(torch.cat(parts, dim=dim), w)
 
 
 # ---- sharding --------------------------------------------------------------------------

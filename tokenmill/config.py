@@ -227,6 +227,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    enable_expert_parallel: bool = False  # MoE: ranks hold whole experts instead of a slice of each
 
     def __post_init__(self) -> None:
         t = self.tensor_parallel_size

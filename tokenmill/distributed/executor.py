@@ -84,7 +84,7 @@ class TPExecutor:
         weakref.finalize(self, _terminate, self.workers)
         try:
             self._wait_joined()
-            self.group = TPGroup(self.store, 0, self.size, device)
+            self.group = TPGroup(self.store, 0, self.size, device, config.parallel.enable_expert_parallel)
         except BaseException:
             self.shutdown()
             raise
@@ -209,7 +209,7 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
     device = rank_device(resolve_device(config.device), rank)
     store = connect_store(port, size)
     store.set(f"joined/{rank}", "1")
-    group = TPGroup(store, rank, size, device)
+    group = TPGroup(store, rank, size, device, config.parallel.enable_expert_parallel)
     dtype = resolve_dtype(config.dtype, device, cpu_kernels=device.type == "cpu" and cpu_kernels() is not None)
     loaded = load_model(resolve_model(config.model), dtype, device, config.max_model_len,
                         quantization=config.quantization, tp=group)

@@ -48,8 +48,9 @@ def connect_store(port: int, size: int) -> dist.TCPStore:
 class TPGroup:
     """This rank's place in the tensor-parallel group, with byte counters for the communication test."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, store, rank: int, size: int, device: torch.device, expert_parallel: bool = False) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.expert_parallel = expert_parallel  # a MoE layer's ranks hold whole experts (distributed/sharding.py)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.compute = _new_group(dist.PrefixStore("compute/", store), rank, size, device,

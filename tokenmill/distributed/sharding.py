@@ -4,7 +4,15 @@ Megatron's layout, as vLLM runs it: q/k/v and gate/up are column-parallel (each 
 a slice of the MLP width: their output rows), o_proj and down_proj row-parallel (the matching input
 columns; one all-reduce each sums the partial outputs), the embedding and output head vocab-parallel
 (rows of the vocabulary padded up to a multiple of T). Where there are fewer KV heads than ranks, each
-rank holds the one KV head its query heads use (replicated). Norms and everything else are whole.
+rank holds the one KV head its query heads use (replicated). OLMoE's q/k norms over all heads are split
+with their heads (the mean square is summed over ranks). Other norms and everything else are whole.
+
+Mixture of experts: by default each expert is split like a dense MLP (its gate/up rows and down columns,
+a slice of its width on every rank); with ``--enable-expert-parallel`` rank r holds whole experts
+``expert_range`` and no others. Either way the router is whole (every rank routes every token: the
+hidden states are replicated after the attention's all-reduce), the shared expert is split like a dense
+MLP, and one all-reduce sums the layer's partial outputs, as for a dense MLP. (Dispatching tokens with an
+all-to-all pays only where ranks hold different tokens, i.e. data-parallel attention, not built.)
 
 The same slices apply to float tensors (``shard_weight``, before load_weights) and to a GGUF file's
 quantized blocks (``shard_quantized``, before quantize_model): rows are rows; columns are whole blocks.
@@ -13,6 +21,7 @@ quantized blocks (``shard_quantized``, before quantize_model): rows are rows; co
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -31,62 +40,118 @@ def padded_vocab(vocab_size: int, t: int) -> int:
     return -(-vocab_size // t) * t
 
 
-def _sizes_that_work(cfg: ModelConfig, quantized: bool) -> list[int]:
-    return [t for t in range(1, cfg.num_heads + 1) if not _problem(cfg, t, quantized)]
+def _sizes_that_work(cfg: ModelConfig, quantized: bool, expert_parallel: bool) -> list[int]:
+    return [t for t in range(1, cfg.num_heads + 1) if not _problem(cfg, t, quantized, expert_parallel)]
 
 
-def _problem(cfg: ModelConfig, t: int, quantized: bool) -> str | None:
+def _has_dense_mlp(cfg: ModelConfig) -> bool:
+    return not cfg.num_experts or bool(cfg.dense_layers)
+
+
+def _problem(cfg: ModelConfig, t: int, quantized: bool, expert_parallel: bool = False) -> str | None:
     h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     if h % t:
         return f"the model's {h} query heads do not divide by --tensor-parallel-size {t}"
     if hkv % t and t % hkv:
         return (f"the model's {hkv} KV heads neither divide by --tensor-parallel-size {t} nor divide it (KV heads "
                 "are split over ranks, or replicated when there are fewer than ranks)")
-    if inter % t:
+    if cfg.qk_norm == "all" and hkv % t:
+        return (f"a q/k norm over all heads ({cfg.architecture}) needs the {hkv} KV heads split over the ranks, "
+                f"not replicated: they do not divide by --tensor-parallel-size {t}")
+    if _has_dense_mlp(cfg) and inter % t:
         return f"the model's MLP width (intermediate size {inter}) does not divide by --tensor-parallel-size {t}"
-    if quantized:
+    if cfg.num_experts:
+        if expert_parallel and cfg.num_experts % t:
+            return (f"expert parallelism gives each rank whole experts: the model's {cfg.num_experts} experts do "
+                    f"not divide by --tensor-parallel-size {t}")
+        if not expert_parallel and cfg.moe_intermediate_size % t:
+            return (f"each expert's width ({cfg.moe_intermediate_size}) does not divide by --tensor-parallel-size "
+                    f"{t} (--enable-expert-parallel splits the experts instead)")
+        if cfg.shared_expert_intermediate_size % t:
+            return (f"the shared expert's width ({cfg.shared_expert_intermediate_size}) does not divide by "
+                    f"--tensor-parallel-size {t}")
+    if quantized:  # (experts and the shared expert stay float: models/quantize.py)
         for what, k in (("o_proj", h * d), ("down_proj", inter)):
+            if what == "down_proj" and not _has_dense_mlp(cfg):
+                continue
             if (k // t) % QK:
                 return (f"quantized row-parallel weights shard their input on whole {QK}-weight blocks: {what}'s "
                         f"{k} inputs / {t} ranks = {k // t}, not a multiple of {QK}")
     return None
 
 
-def check_tensor_parallel(cfg: ModelConfig, t: int, quantized: bool) -> None:
+def check_tensor_parallel(cfg: ModelConfig, t: int, quantized: bool, expert_parallel: bool = False) -> None:
     """Raise a ValueError saying what does not divide (and which sizes would) if the model cannot run
     on ``t`` tensor-parallel ranks. ``quantized``: the decoder weights will be in 32-weight blocks."""
     if t == 1:
         return
-    if cfg.num_experts:
-        raise ValueError(f"--tensor-parallel-size {t}: {cfg.architecture} is a mixture-of-experts model, and "
-                         "expert parallelism (and tensor-parallel experts) is not built yet; run it with "
-                         "--tensor-parallel-size 1")
-    if cfg.qk_norm == "all":
-        raise ValueError(f"--tensor-parallel-size {t}: a q/k norm over all heads ({cfg.architecture}) needs a "
-                         "cross-rank reduction that is not built yet; run it with --tensor-parallel-size 1")
-    why = _problem(cfg, t, quantized)
+    why = _problem(cfg, t, quantized, expert_parallel)
     if why:
-        ok = [s for s in _sizes_that_work(cfg, quantized) if s > 1]
+        ok = [s for s in _sizes_that_work(cfg, quantized, expert_parallel) if s > 1]
         hint = (f"use --tensor-parallel-size {' or '.join(map(str, ok))}" if ok else
                 "this model cannot be split; use --tensor-parallel-size 1")
-        if quantized and not _problem(cfg, t, False):
+        if quantized and not _problem(cfg, t, False, expert_parallel):
             hint += " (or --quantization none)"
         raise ValueError(f"{why}: {hint}")
 
 
-def local_config(cfg: ModelConfig, t: int) -> ModelConfig:
-    """The per-rank view of the decoder layers: its query heads, KV heads and MLP width (the vocabulary
-    and hidden size stay whole: the embedding and head pad and split the vocabulary themselves)."""
+def local_config(cfg: ModelConfig, t: int, expert_parallel: bool = False) -> ModelConfig:
+    """The per-rank view of the decoder layers: its query heads, KV heads and MLP widths (the vocabulary,
+    hidden size and router stay whole: the embedding and head pad and split the vocabulary themselves;
+    under expert parallelism each expert keeps its width and the rank holds ``expert_range``)."""
     if t == 1:
         return cfg
+    dense = cfg.intermediate_size // t if _has_dense_mlp(cfg) else cfg.intermediate_size
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // t, num_kv_heads=max(cfg.num_kv_heads // t, 1),
-                               intermediate_size=cfg.intermediate_size // t)
+                               intermediate_size=dense,
+                               moe_intermediate_size=cfg.moe_intermediate_size // (1 if expert_parallel else t),
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // t)
 
 
-def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tuple[int, int]]] | None:
+def expert_range(num_experts: int, rank: int, t: int, expert_parallel: bool) -> tuple[int, int]:
+    """[first, last) of the experts rank ``rank`` holds: all of them, or its 1/T under expert parallelism."""
+    if not expert_parallel:
+        return 0, num_experts
+    return rank * num_experts // t, (rank + 1) * num_experts // t
+
+
+# an expert's matrix: one expert's (checkpoints; Mixtral's w1/w3/w2) or all stacked (transformers 5)
+_EXPERT_NAME = re.compile(r"layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\."
+                          r"(?:(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight|(gate_up_proj|down_proj))$")
+
+
+def holds_weight(name: str, cfg: ModelConfig, rank: int, t: int, expert_parallel: bool) -> bool:
+    """Whether rank ``rank`` loads tensor ``name`` at all (under expert parallelism: only its experts')."""
+    m = _EXPERT_NAME.search(name)
+    if not expert_parallel or m is None or m.group(1) is None:
+        return True
+    first, last = expert_range(cfg.num_experts, rank, t, True)
+    return first <= int(m.group(1)) < last
+
+
+def _slice(n: int, rank: int, t: int) -> tuple[int, int]:
+    return rank * n // t, (rank + 1) * n // t
+
+
+def _expert_spec(m: re.Match, cfg: ModelConfig, rank: int, t: int, expert_parallel: bool):
+    """How rank ``rank`` slices an expert's matrix (see _spec)."""
+    one, part, stacked = m.groups()
+    if expert_parallel:  # whole experts: one expert's matrix whole, the stacked ones on their expert axis
+        return None if one is not None else (0, [expert_range(cfg.num_experts, rank, t, True)])
+    width = _slice(cfg.moe_intermediate_size, rank, t)
+    if one is not None:  # gate/up: output rows; down: input columns
+        return (1, [width]) if part in ("down_proj", "w2") else (0, [width])
+    return (1, [width, width]) if stacked == "gate_up_proj" else (2, [width])  # [E, 2I, H] / [E, H, I]
+
+
+def _spec(name: str, cfg: ModelConfig, rank: int, t: int,
+          expert_parallel: bool = False) -> tuple[int, list[tuple[int, int]]] | None:
     """How rank ``rank`` slices HF tensor ``name``: (dim, [(start, stop) per fused part, in the part's own
     coordinates]) or None for a whole tensor. dim 0: output rows; 1: input columns."""
     h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    expert = _EXPERT_NAME.search(name)
+    if expert is not None:
+        return _expert_spec(expert, cfg, rank, t, expert_parallel)
     q = (rank * h // t * d, (rank + 1) * h // t * d)
     if hkv >= t:
         kv = (rank * hkv // t * d, (rank + 1) * hkv // t * d)
@@ -102,8 +167,12 @@ def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tup
     if len(parts) < 4 or parts[0] != "layers":
         return None
     module = parts[-2]
+    if parts[-3] == "shared_expert":  # Qwen2-MoE's shared expert: a dense MLP of its own width
+        mlp = _slice(cfg.shared_expert_intermediate_size, rank, t)
     rows = {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "qkv_proj": [q, kv, kv],  # qkv: Phi-3's fused
             "gate_proj": [mlp], "up_proj": [mlp], "gate_up_proj": [mlp, mlp]}
+    if cfg.qk_norm == "all":  # OLMoE: the norms' weights go with their heads
+        rows.update(q_norm=[q], k_norm=[kv])
     if module in rows:
         return 0, rows[module]
     if module in ("o_proj", "down_proj") and parts[-1] == "weight":
@@ -112,6 +181,8 @@ def _spec(name: str, cfg: ModelConfig, rank: int, t: int) -> tuple[int, list[tup
 
 
 def _part_sizes(name: str, cfg: ModelConfig) -> list[int]:
+    if name.endswith("experts.gate_up_proj"):
+        return [cfg.moe_intermediate_size] * 2
     if ".qkv_proj." in name:
         return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
     if ".gate_up_proj." in name:
@@ -119,9 +190,10 @@ def _part_sizes(name: str, cfg: ModelConfig) -> list[int]:
     return []
 
 
-def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, t: int) -> torch.Tensor:
+def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, t: int,
+                 expert_parallel: bool = False) -> torch.Tensor:
     """Rank ``rank``'s slice of float tensor ``name`` (HF naming; cfg is the whole model's)."""
-    spec = _spec(name, cfg, rank, t)
+    spec = _spec(name, cfg, rank, t, expert_parallel)
     if spec is None or t == 1:
         return w
     dim, ranges = spec

@@ -58,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the CPU, NCCL on GPUs); heads and the MLP width must divide by it (default 1)")
     g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
                    help="how tensor-parallel ranks start: mp, worker processes started by tokenmill (default)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models under --tensor-parallel-size: each rank holds whole experts "
+                        "(the experts must divide by the size) instead of a slice of every expert")
     add_speculative_args(g)
     add_latency_args(p)
 
@@ -148,7 +151,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                 slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
                 tensor_parallel_size=a.tensor_parallel_size,
-                distributed_executor_backend=a.distributed_executor_backend)
+                distributed_executor_backend=a.distributed_executor_backend,
+                enable_expert_parallel=a.enable_expert_parallel)
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

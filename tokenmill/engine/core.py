@@ -109,6 +109,9 @@ class EngineCore:
         if config.parallel.tensor_parallel_size > 1:
             tp = self._start_tensor_parallel(config, source)
             phase("tensor-parallel workers")
+        elif config.parallel.enable_expert_parallel:
+            logger.warning("--enable-expert-parallel has no effect with --tensor-parallel-size 1 (one rank holds "
+                           "every expert)")
         loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
                             phase=phase, tp=tp)
         self.model_config = loaded.config
@@ -191,7 +194,8 @@ class EngineCore:
         t = config.parallel.tensor_parallel_size
         if config.scheduler.preemption_mode == "swap":
             raise ValueError("--preemption-mode swap is not supported with --tensor-parallel-size > 1 yet")
-        check_tensor_parallel(model_config_of(source), t, quantized=config.quantization in ("int8", "int4", "gguf"))
+        check_tensor_parallel(model_config_of(source), t, quantized=config.quantization in ("int8", "int4", "gguf"),
+                              expert_parallel=config.parallel.enable_expert_parallel)
         self.device = rank_device(self.device, 0)
         self.executor = TPExecutor(config, self.device)
         logger.info("tensor parallelism: %d ranks (%s), workers %s", t, "nccl" if self.device.type == "cuda"

@@ -9,6 +9,11 @@ transformers does, so float32 results agree to rounding.
 
 ``expert_tokens`` counts the tokens routed to each expert since the engine last read it (load balance on
 /metrics and in the stats log).
+
+Under tensor parallelism (``tp``) the module holds this rank's share (distributed/sharding.py): a slice
+of every expert's width, or, with expert parallelism, whole experts ``[first_expert, first_expert + E_local)``.
+Every rank routes every token (the router is whole), runs only the experts it holds, and one all-reduce
+sums the partial outputs, the shared expert's included.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from torch import nn
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
-                 shared_expert: nn.Module | None = None) -> None:
+                 shared_expert: nn.Module | None = None, experts: tuple[int, int] | None = None, tp=None) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.first_expert, last = experts or (0, num_experts)  # the experts this module holds: [first, last)
+        self.tp = tp
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        # every expert's gate and up projections stacked [E, 2I, H], and its down projection [E, H, I]
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        # each held expert's gate and up projections stacked [E, 2I, H], and its down projection [E, H, I]
+        n = last - self.first_expert
+        self.w_gate_up = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
         self.shared_expert = shared_expert  # Qwen2-MoE: a dense MLP every token takes, gated per token
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
@@ -50,17 +58,18 @@ class SparseMoE(nn.Module):
         slot_weight = weights.flatten()[order]
         out = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # one GEMM pair per expert that has tokens
-            if n == 0:
-                continue
-            rows = token_of[start:start + n]
-            gate, up = F.linear(x[rows], self.w_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w_down[e]) * slot_weight[start:start + n, None]
-            out.index_add_(0, rows, y)
+        held = range(self.first_expert, self.first_expert + self.w_down.shape[0])
+        for e, n in enumerate(counts.tolist()):  # one GEMM pair per held expert that has tokens
+            if n and e in held:
+                rows = token_of[start:start + n]
+                i = e - self.first_expert
+                gate, up = F.linear(x[rows], self.w_gate_up[i]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.w_down[i]) * slot_weight[start:start + n, None]
+                out.index_add_(0, rows, y)
             start += n
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce_(out)
 
 
 def expert_imbalance(expert_tokens: list[list[int]]) -> float:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.sharding import expert_range
 from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -73,8 +74,11 @@ class Attention(nn.Module):
         if self.qk_norm:  # normalised before RoPE, written back so that RoPE still takes one call
             rows = self.d if self.qk_norm == "head" else None  # None: the whole of q, of k
             q, k = qkv[:, : self.h * self.d], qkv[:, self.h * self.d: qk * self.d]
-            q_n = self.q_norm(q.reshape(-1, rows or q.shape[1])).view(t, -1)
-            k_n = self.k_norm(k.reshape(-1, rows or k.shape[1])).view(t, -1)
+            if rows is None and self.tp is not None:
+                q_n, k_n = self._norm_split_heads(q, k)
+            else:
+                q_n = self.q_norm(q.reshape(-1, rows or q.shape[1])).view(t, -1)
+                k_n = self.k_norm(k.reshape(-1, rows or k.shape[1])).view(t, -1)
             qkv[:, : qk * self.d] = torch.cat([q_n, k_n], dim=1)
         if self.clip:
             qkv.clamp_(-self.clip, self.clip)
@@ -88,6 +92,17 @@ class Attention(nn.Module):
                                  scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, D]
         out = self.o_proj(o.reshape(t, self.h * self.d))
         return out if self.tp is None else self.tp.all_reduce_(out)
+
+    def _norm_split_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMoE's RMSNorm over all of q and all of k, with the heads split over the ranks: each rank's
+        sums of squares, one all-reduce of the pair, then this rank's slice of each norm's weight."""
+        sums = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)  # [T, 2]
+        self.tp.all_reduce_(sums)
+        out = []
+        for x, norm, total in ((q, self.q_norm, sums[:, :1]), (k, self.k_norm, sums[:, 1:])):
+            xf = x.float() * torch.rsqrt(total / (x.shape[1] * self.tp.size) + norm.eps)
+            out.append(norm.weight * xf.to(x.dtype))
+        return out[0], out[1]
 
 
 class MLP(nn.Module):
@@ -123,9 +138,12 @@ class DecoderLayer(nn.Module):
         self.sandwich = cfg.sandwich_norms
         if cfg.is_moe_layer(layer):
             shared = cfg.shared_expert_intermediate_size
+            experts = (0, cfg.num_experts) if tp is None else \
+                expert_range(cfg.num_experts, tp.rank, tp.size, tp.expert_parallel)
+            # (the shared expert's partial sum joins the experts' in SparseMoE's one all-reduce)
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, cfg.norm_topk_prob,
-                                 MLP(cfg.hidden_size, shared) if shared else None)
+                                 MLP(cfg.hidden_size, shared) if shared else None, experts=experts, tp=tp)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
 
@@ -147,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         from tokenmill.distributed.sharding import local_config, padded_vocab
 
         self.tp = tp
-        self.cfg = cfg = cfg if tp is None else local_config(cfg, tp.size)
+        self.cfg = cfg = cfg if tp is None else local_config(cfg, tp.size, tp.expert_parallel)
         rows = self.vocab_rows = cfg.vocab_size if tp is None else padded_vocab(cfg.vocab_size, tp.size) // tp.size
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size,
                                          _weight=torch.empty(rows, cfg.hidden_size))  # (no random init)
@@ -329,9 +347,11 @@ class LlamaForCausalLM(nn.Module):
         layer, e, part = match.groups()
         target, half = _EXPERT_PARTS[part]
         key = f"layers.{layer}.mlp.{target}"
-        if key not in params or int(e) >= params[key].shape[0]:
+        first = getattr(self.layers[int(layer)].mlp, "first_expert", 0) if int(layer) < len(self.layers) else 0
+        e = int(e) - first  # this rank's experts are [first, first + E_local) (expert parallelism)
+        if key not in params or not 0 <= e < params[key].shape[0]:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
-        dst = params[key].data[int(e)]
+        dst = params[key].data[e]
         if half is not None:
             dst = dst.chunk(2)[half]
         if tuple(dst.shape) != tuple(tensor.shape):

@@ -70,11 +70,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
         weights = gguf_weights(reader, cfg, frozenset(kept))
     if tp is not None and tp.size > 1:
-        from tokenmill.distributed.sharding import check_tensor_parallel, shard_quantized, shard_weight
+        from tokenmill.distributed.sharding import check_tensor_parallel, holds_weight, shard_quantized, shard_weight
 
-        check_tensor_parallel(cfg, tp.size, quantized=quantization != "none")
-        rank, size = tp.rank, tp.size
-        weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size)) for n, w in weights)
+        rank, size, ep = tp.rank, tp.size, tp.expert_parallel
+        check_tensor_parallel(cfg, size, quantized=quantization != "none", expert_parallel=ep)
+        weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size, ep))
+                   for n, w in weights if holds_weight(n, cfg, rank, size, ep))
         if raw:
             raw = {n: shard_quantized(n, q, cfg, rank, size) for n, q in raw.items()}
     else:
