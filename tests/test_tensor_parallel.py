@@ -158,6 +158,58 @@ def test_speculative_decoding_under_tp2(models):
         llm.shutdown()
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_machines_serve_the_single_process_output(models):
+    """--distributed-executor-backend external_launcher: two "machines" on loopback, each `torchrun --nnodes 2
+    --nproc-per-node 1` running the same `tokenmill generate` (env:// rendezvous); rank 0 prints what one
+    process prints, rank 1 serves its forward passes and exits 0 when rank 0's engine shuts down."""
+    import subprocess
+    import sys
+
+    _, path = models["qwen2"]
+    args = ["-m", "tokenmill.cli", "generate", "hello world, once upon a time", "--raw", "--model", str(path),
+            "--temperature", "0", "--max-tokens", str(N_GEN), "--ignore-eos", "--dtype", "float32",
+            "--quantization", "none", "--kv-cache-memory", "16MiB"]
+    env = {**os.environ, "TOKENMILL_TP_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", port, *args,
+                               "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    try:
+        outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[0][0] == one.stdout and one.stdout.strip()
+    assert outs[1][0] == ""  # a worker rank prints nothing of its own
+
+
+def test_external_launcher_outside_torchrun_says_how_to_start(models, monkeypatch):
+    _, path = models["llama"]
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set; start every rank "
+                                         "with torchrun"):
+        make_llm(path, tp=2, distributed_executor_backend="external_launcher")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ValueError, match=r"torchrun started 3 ranks \(WORLD_SIZE\) but --tensor-parallel-size is 2"):
+        make_llm(path, tp=2, distributed_executor_backend="external_launcher")
+
+
 def test_dropping_the_engine_stops_the_workers(models):
     import gc
 

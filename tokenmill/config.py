@@ -217,7 +217,8 @@ class SpeculativeConfig:
                              f"got {self.speculative_quantization!r}")
 
 
-DISTRIBUTED_BACKENDS = ("mp",)  # --distributed-executor-backend: tokenmill starts the ranks itself
+# --distributed-executor-backend: tokenmill starts the ranks itself (mp), or torchrun did (external_launcher)
+DISTRIBUTED_BACKENDS = ("mp", "external_launcher")
 
 
 @dataclass(frozen=True)
@@ -234,9 +235,8 @@ class ParallelConfig:
         if not isinstance(t, int) or isinstance(t, bool) or t < 1:
             raise ValueError(f"--tensor-parallel-size must be a positive integer, got {t!r}")
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
-            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_BACKENDS)} "
-                             f"(external_launcher for torchrun is not built yet), got "
-                             f"{self.distributed_executor_backend!r}")
+            raise ValueError(f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
 
 
 @dataclass(frozen=True)

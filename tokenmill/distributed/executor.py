@@ -1,4 +1,4 @@
-"""The multi-process executor for tensor parallelism (``--tensor-parallel-size T``, backend ``mp``).
+"""The multi-process executor for tensor parallelism (``--tensor-parallel-size T``).
 
 The engine core is rank 0, the driver: scheduler, KV-cache bookkeeping, its own shard of the model and
 sampling. It starts T - 1 worker processes (multiprocessing spawn; the EngineConfig msgspec-encoded, as
@@ -15,10 +15,17 @@ Failure: a worker that dies makes the driver's next collective fail (gloo raises
 closes) or time out (the compute group's timeout, group.py); the driver then stops every worker and
 the step raises, which the engine core's failure path reports. Workers watch their parent and exit
 once it is gone, so no rank outlives the engine.
+
+``--distributed-executor-backend external_launcher``: the ranks are processes ``torchrun`` started, on
+one machine or several (env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; the groups are
+built on torchrun's own store). Every rank runs the same command; rank 0 is the driver and runs it, the
+others serve its forward passes from inside the engine's construction and exit (status 0) when rank 0's
+engine shuts down, or with an error when rank 0 dies (their next collective fails).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing
 import os
@@ -30,9 +37,10 @@ import weakref
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.group import TPGroup, connect_store, create_store
+from tokenmill.distributed.group import TPGroup, compute_timeout_s, connect_store, create_store
 
 logger = logging.getLogger("tokenmill")
 WATCHDOG_S = 0.2
@@ -162,6 +170,69 @@ class TPExecutor:
         return [w.pid for w in self.workers]
 
 
+class ExternalLauncherExecutor(TPExecutor):
+    """The driver's side under torchrun: the workers are other torchrun ranks (maybe other machines), so
+    there is nothing to start, join or watch here; a rank that dies shows as a failed collective."""
+
+    def __init__(self, config: EngineConfig, device: torch.device, group: TPGroup) -> None:
+        self.size, self.device, self.group = group.size, device, group
+        self.failed: str | None = None
+        self._closed = False
+        self.workers = []
+        # The other ranks wait for Stop (and torchrun's agents for every rank before they exit): sent by
+        # shutdown(), or when the engine is dropped or the interpreter exits without it.
+        self._stop = weakref.finalize(self, _send_stop, group)
+
+    def _dead(self) -> list[str]:
+        return []
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if not self._closed:
+            self._closed = True
+            if self.failed:
+                self._stop.detach()
+            else:
+                self._stop()
+
+
+def _send_stop(group: TPGroup) -> None:
+    try:
+        group.broadcast_bytes(_encoder.encode(Stop()))
+    except RuntimeError:  # a rank is gone already
+        pass
+
+
+def torchrun_rank(config: EngineConfig) -> tuple[int, int]:
+    """(RANK, LOCAL_RANK) torchrun gave this process, checked against --tensor-parallel-size."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [k for k, v in env.items() if v is None]
+    if missing:
+        raise ValueError(f"--distributed-executor-backend external_launcher: {', '.join(missing)} not set; start "
+                         "every rank with torchrun (e.g. torchrun --nproc-per-node T -m tokenmill.cli serve ...), "
+                         "or use the default backend mp, which starts the ranks itself")
+    size = config.parallel.tensor_parallel_size
+    if int(env["WORLD_SIZE"]) != size:
+        raise ValueError(f"torchrun started {env['WORLD_SIZE']} ranks (WORLD_SIZE) but --tensor-parallel-size is "
+                         f"{size}: they must be equal")
+    return int(env["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def torchrun_group(config: EngineConfig, device: torch.device) -> TPGroup:
+    """This torchrun rank's TPGroup, on torchrun's store (env:// rendezvous)."""
+    rank, _ = torchrun_rank(config)
+    store, r, size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=compute_timeout_s())))
+    if r != rank:
+        raise RuntimeError(f"torchrun rendezvous gave rank {r}, but RANK is {rank}")
+    return TPGroup(dist.PrefixStore("tokenmill/", store), rank, size, device, config.parallel.enable_expert_parallel)
+
+
+def run_torchrun_worker(config: EngineConfig, device: torch.device) -> None:
+    """A torchrun rank other than 0: serve the driver's forward passes until it stops, then return."""
+    group = torchrun_group(config, device)
+    logger.info("torchrun rank %d of %d: serving forward passes for rank 0", group.rank, group.size)
+    _serve(config, group)
+
+
 def _terminate(workers: list) -> None:
     for w in workers:
         if w.is_alive():
@@ -194,22 +265,29 @@ def run_worker(config_bytes: bytes, rank: int, port: int, parent_pid: int, log_l
     os._exit(0)
 
 
-@torch.inference_mode()
 def _worker(config: EngineConfig, rank: int, port: int) -> None:
+    from tokenmill.platform import resolve_device
+
+    size = config.parallel.tensor_parallel_size
+    torch.set_num_threads(worker_threads(size))
+    device = rank_device(resolve_device(config.device), rank)
+    store = connect_store(port, size)
+    store.set(f"joined/{rank}", "1")
+    _serve(config, TPGroup(store, rank, size, device, config.parallel.enable_expert_parallel))
+
+
+@torch.inference_mode()
+def _serve(config: EngineConfig, group: TPGroup) -> None:
+    """Load this rank's shard, allocate its KV shard, run the driver's forward passes until Stop."""
     from tokenmill.core.scheduler import ScheduledRequest
     from tokenmill.layers.kernels import cpu_kernels
     from tokenmill.models.loader import load_model
     from tokenmill.models.registry import resolve_model
-    from tokenmill.platform import resolve_device, resolve_dtype
+    from tokenmill.platform import resolve_dtype
     from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache
 
-    size = config.parallel.tensor_parallel_size
-    torch.set_num_threads(worker_threads(size))
     torch.manual_seed(config.seed)
-    device = rank_device(resolve_device(config.device), rank)
-    store = connect_store(port, size)
-    store.set(f"joined/{rank}", "1")
-    group = TPGroup(store, rank, size, device, config.parallel.enable_expert_parallel)
+    device = group.device
     dtype = resolve_dtype(config.dtype, device, cpu_kernels=device.type == "cpu" and cpu_kernels() is not None)
     loaded = load_model(resolve_model(config.model), dtype, device, config.max_model_len,
                         quantization=config.quantization, tp=group)

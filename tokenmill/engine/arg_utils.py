@@ -56,8 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="tensor parallelism: split every layer over this many processes on this machine (gloo on "
                         "the CPU, NCCL on GPUs); heads and the MLP width must divide by it (default 1)")
-    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
-                   help="how tensor-parallel ranks start: mp, worker processes started by tokenmill (default)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "external_launcher"],
+                   help="how tensor-parallel ranks start: mp, worker processes started by tokenmill (default); "
+                        "external_launcher, every rank started by torchrun with the same command (env:// "
+                        "rendezvous, one machine or several): rank 0 runs it, the others serve its forward passes")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models under --tensor-parallel-size: each rank holds whole experts "
                         "(the experts must divide by the size) instead of a slice of every expert")

@@ -187,7 +187,8 @@ class EngineCore:
     def _start_tensor_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
         """Check that the model splits (before any process starts), start the worker ranks; this rank's
         TPGroup."""
-        from tokenmill.distributed.executor import TPExecutor, rank_device
+        from tokenmill.distributed.executor import (ExternalLauncherExecutor, TPExecutor, rank_device,
+                                                    run_torchrun_worker, torchrun_group, torchrun_rank)
         from tokenmill.distributed.sharding import check_tensor_parallel
         from tokenmill.models.loader import model_config_of
 
@@ -196,6 +197,18 @@ class EngineCore:
             raise ValueError("--preemption-mode swap is not supported with --tensor-parallel-size > 1 yet")
         check_tensor_parallel(model_config_of(source), t, quantized=config.quantization in ("int8", "int4", "gguf"),
                               expert_parallel=config.parallel.enable_expert_parallel)
+        if config.parallel.distributed_executor_backend == "external_launcher":
+            rank, local_rank = torchrun_rank(config)
+            self.device = rank_device(self.device, local_rank)
+            if rank != 0:  # this process is a worker: serve rank 0's forward passes, then leave
+                run_torchrun_worker(config, self.device)
+                logger.info("torchrun rank %d: rank 0's engine shut down; exiting", rank)
+                raise SystemExit(0)
+            group = torchrun_group(config, self.device)
+            self.executor = ExternalLauncherExecutor(config, self.device, group)
+            logger.info("tensor parallelism: %d torchrun ranks (%s)", t, "nccl" if self.device.type == "cuda"
+                        else "gloo")
+            return group
         self.device = rank_device(self.device, 0)
         self.executor = TPExecutor(config, self.device)
         logger.info("tensor parallelism: %d ranks (%s), workers %s", t, "nccl" if self.device.type == "cuda"
