@@ -206,7 +206,8 @@ def test_external_launcher_outside_torchrun_says_how_to_start(models, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
-    with pytest.raises(ValueError, match=r"torchrun started 3 ranks \(WORLD_SIZE\) but --tensor-parallel-size is 2"):
+    with pytest.raises(ValueError, match=r"torchrun started 3 ranks \(WORLD_SIZE\) but --tensor-parallel-size x "
+                                         r"--pipeline-parallel-size is 2"):
         make_llm(path, tp=2, distributed_executor_backend="external_launcher")
 
 

@@ -223,17 +223,35 @@ DISTRIBUTED_BACKENDS = ("mp", "external_launcher")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one model spreads over processes (``--tensor-parallel-size``, vLLM's names). T > 1: the engine
-    core is rank 0 (the driver) and starts T - 1 worker processes (tokenmill/distributed/)."""
+    """How one model spreads over processes (``--tensor-parallel-size``, ``--pipeline-parallel-size``,
+    vLLM's names). More than one rank: the engine core is rank 0 (the driver) and starts the others as
+    worker processes (tokenmill/distributed/)."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # layers split into this many stages, one process each
+    pipeline_micro_batches: int = 0  # micro-batches a step is cut into under pipeline parallelism (0: P)
     distributed_executor_backend: str = "mp"
     enable_expert_parallel: bool = False  # MoE: ranks hold whole experts instead of a slice of each
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
+
     def __post_init__(self) -> None:
-        t = self.tensor_parallel_size
-        if not isinstance(t, int) or isinstance(t, bool) or t < 1:
-            raise ValueError(f"--tensor-parallel-size must be a positive integer, got {t!r}")
+        for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size),
+                        ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {v!r}")
+        m = self.pipeline_micro_batches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"--pipeline-micro-batches must be a positive integer (0: the pipeline size), got {m!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size both above 1 is not built yet; "
+                             "use one of them")
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

@@ -60,6 +60,11 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Forward | Stop)
 
 
+def new_group(config: EngineConfig, store, rank: int, device: torch.device) -> TPGroup:
+    par = config.parallel
+    return TPGroup(store, rank, par.world_size, device, par.enable_expert_parallel, par.pipeline_parallel_size > 1)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r's device: cuda:r on GPUs (one per rank), the CPU otherwise."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
@@ -75,7 +80,7 @@ class TPExecutor:
     """The driver's side: starts the workers, sends each forward pass, stops them."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        self.size = config.parallel.tensor_parallel_size
+        self.size = config.parallel.world_size
         self.device = device
         self.failed: str | None = None
         self._closed = False
@@ -92,7 +97,7 @@ class TPExecutor:
         weakref.finalize(self, _terminate, self.workers)
         try:
             self._wait_joined()
-            self.group = TPGroup(self.store, 0, self.size, device, config.parallel.enable_expert_parallel)
+            self.group = new_group(config, self.store, 0, device)
         except BaseException:
             self.shutdown()
             raise
@@ -210,10 +215,10 @@ def torchrun_rank(config: EngineConfig) -> tuple[int, int]:
         raise ValueError(f"--distributed-executor-backend external_launcher: {', '.join(missing)} not set; start "
                          "every rank with torchrun (e.g. torchrun --nproc-per-node T -m tokenmill.cli serve ...), "
                          "or use the default backend mp, which starts the ranks itself")
-    size = config.parallel.tensor_parallel_size
+    size = config.parallel.world_size
     if int(env["WORLD_SIZE"]) != size:
-        raise ValueError(f"torchrun started {env['WORLD_SIZE']} ranks (WORLD_SIZE) but --tensor-parallel-size is "
-                         f"{size}: they must be equal")
+        raise ValueError(f"torchrun started {env['WORLD_SIZE']} ranks (WORLD_SIZE) but --tensor-parallel-size x "
+                         f"--pipeline-parallel-size is {size}: they must be equal")
     return int(env["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
 
 
@@ -223,7 +228,7 @@ def torchrun_group(config: EngineConfig, device: torch.device) -> TPGroup:
     store, r, size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=compute_timeout_s())))
     if r != rank:
         raise RuntimeError(f"torchrun rendezvous gave rank {r}, but RANK is {rank}")
-    return TPGroup(dist.PrefixStore("tokenmill/", store), rank, size, device, config.parallel.enable_expert_parallel)
+    return new_group(config, dist.PrefixStore("tokenmill/", store), rank, device)
 
 
 def run_torchrun_worker(config: EngineConfig, device: torch.device) -> None:
@@ -268,12 +273,12 @@ def run_worker(config_bytes: bytes, rank: int, port: int, parent_pid: int, log_l
 def _worker(config: EngineConfig, rank: int, port: int) -> None:
     from tokenmill.platform import resolve_device
 
-    size = config.parallel.tensor_parallel_size
+    size = config.parallel.world_size
     torch.set_num_threads(worker_threads(size))
     device = rank_device(resolve_device(config.device), rank)
     store = connect_store(port, size)
     store.set(f"joined/{rank}", "1")
-    _serve(config, TPGroup(store, rank, size, device, config.parallel.enable_expert_parallel))
+    _serve(config, new_group(config, store, rank, device))
 
 
 @torch.inference_mode()
@@ -296,6 +301,8 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     kv = allocate_kv_cache(loaded.model.cfg, num_blocks, cache.block_size, dtype, device, cache.kv_cache_dtype,
                            zeroed=loaded.model.ops is None)
     runner = ModelRunner(loaded.model, kv, cache.block_size, device, config.seed)
+    if group.pipeline:
+        runner.pipeline = (group, config.parallel.micro_batches)
     group.all_reduce_(torch.zeros(1, device=device))  # ready (the driver waits for every rank)
     while True:
         msg = _decoder.decode(group.broadcast_bytes(None))

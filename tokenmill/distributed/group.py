@@ -1,4 +1,5 @@
-"""The tensor-parallel process group: rank, size, and the two collectives the model needs.
+"""The parallel process group: rank, size, the two collectives tensor parallelism needs and the
+point-to-point send/recv of pipeline stages.
 
 Built straight on torch.distributed's process-group classes over a TCPStore on 127.0.0.1 (the driver
 binds a free port; the workers connect to it), not on the global default group, so an engine can be
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,9 +50,11 @@ def connect_store(port: int, size: int) -> dist.TCPStore:
 class TPGroup:
     """This rank's place in the tensor-parallel group, with byte counters for the communication test."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, expert_parallel: bool = False) -> None:
+    def __init__(self, store, rank: int, size: int, device: torch.device, expert_parallel: bool = False,
+                 pipeline: bool = False) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.expert_parallel = expert_parallel  # a MoE layer's ranks hold whole experts (distributed/sharding.py)
+        self.pipeline = pipeline  # the ranks are pipeline stages, not tensor-parallel shards (pipeline.py)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.compute = _new_group(dist.PrefixStore("compute/", store), rank, size, device,
@@ -60,8 +64,23 @@ class TPGroup:
         self.reset_counters()
 
     def reset_counters(self) -> None:
-        self.all_reduce_bytes = self.all_gather_bytes = 0
-        self.all_reduce_calls = self.all_gather_calls = 0
+        self.all_reduce_bytes = self.all_gather_bytes = self.send_bytes = 0
+        self.all_reduce_calls = self.all_gather_calls = self.send_calls = 0
+        self.recv_wait_s = 0.0  # time blocked in recv: a pipeline stage's idle share (the bubble)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int):
+        """Start sending ``x`` to rank ``dst`` (point to point); the returned work's wait() completes it."""
+        x = x.contiguous()
+        self.send_bytes += x.numel() * x.element_size()
+        self.send_calls += 1
+        return self.compute.send([x], dst, tag)
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        """Receive rank ``src``'s tensor into ``buf`` (its shape and dtype known to both sides)."""
+        t = time.perf_counter()
+        self.compute.recv([buf], src, tag).wait()
+        self.recv_wait_s += time.perf_counter() - t
+        return buf
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""

@@ -60,6 +60,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how tensor-parallel ranks start: mp, worker processes started by tokenmill (default); "
                         "external_launcher, every rank started by torchrun with the same command (env:// "
                         "rendezvous, one machine or several): rank 0 runs it, the others serve its forward passes")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline parallelism: split the layers into this many stages, one process each, with "
+                        "a step's micro-batches in flight across them (default 1)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=0,
+                   help="micro-batches a step is cut into under pipeline parallelism (whole requests; default: "
+                        "the pipeline size); more shrink the bubble (P - 1) / (m + P - 1) and the GEMMs")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models under --tensor-parallel-size: each rank holds whole experts "
                         "(the experts must divide by the size) instead of a slice of every expert")
@@ -152,7 +158,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization,
                 itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                 slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
-                tensor_parallel_size=a.tensor_parallel_size,
+                tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                pipeline_micro_batches=a.pipeline_micro_batches,
                 distributed_executor_backend=a.distributed_executor_backend,
                 enable_expert_parallel=a.enable_expert_parallel)
 

@@ -106,9 +106,9 @@ class EngineCore:
                                    cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
         phase("kernels")
         tp = None
-        if config.parallel.tensor_parallel_size > 1:
-            tp = self._start_tensor_parallel(config, source)
-            phase("tensor-parallel workers")
+        if config.parallel.world_size > 1:
+            tp = self._start_parallel(config, source)
+            phase("parallel workers")
         elif config.parallel.enable_expert_parallel:
             logger.warning("--enable-expert-parallel has no effect with --tensor-parallel-size 1 (one rank holds "
                            "every expert)")
@@ -164,6 +164,8 @@ class EngineCore:
         phase("KV pool")
         self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
         self.runner.executor = self.executor
+        if tp is not None and tp.pipeline:
+            self.runner.pipeline = (tp, config.parallel.micro_batches)
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
@@ -184,19 +186,26 @@ class EngineCore:
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
         self.start_loop()
 
-    def _start_tensor_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
+    def _start_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
         """Check that the model splits (before any process starts), start the worker ranks; this rank's
         TPGroup."""
         from tokenmill.distributed.executor import (ExternalLauncherExecutor, TPExecutor, rank_device,
                                                     run_torchrun_worker, torchrun_group, torchrun_rank)
+        from tokenmill.distributed.pipeline import check_pipeline_parallel
         from tokenmill.distributed.sharding import check_tensor_parallel
         from tokenmill.models.loader import model_config_of
 
-        t = config.parallel.tensor_parallel_size
+        par = config.parallel
+        t = par.world_size
         if config.scheduler.preemption_mode == "swap":
-            raise ValueError("--preemption-mode swap is not supported with --tensor-parallel-size > 1 yet")
-        check_tensor_parallel(model_config_of(source), t, quantized=config.quantization in ("int8", "int4", "gguf"),
-                              expert_parallel=config.parallel.enable_expert_parallel)
+            raise ValueError("--preemption-mode swap is not supported with more than one rank "
+                             "(--tensor-parallel-size, --pipeline-parallel-size) yet")
+        model_cfg = model_config_of(source)
+        check_tensor_parallel(model_cfg, par.tensor_parallel_size,
+                              quantized=config.quantization in ("int8", "int4", "gguf"),
+                              expert_parallel=par.enable_expert_parallel)
+        check_pipeline_parallel(model_cfg, par.pipeline_parallel_size)
+        what = "pipeline" if par.pipeline_parallel_size > 1 else "tensor"
         if config.parallel.distributed_executor_backend == "external_launcher":
             rank, local_rank = torchrun_rank(config)
             self.device = rank_device(self.device, local_rank)
@@ -206,12 +215,12 @@ class EngineCore:
                 raise SystemExit(0)
             group = torchrun_group(config, self.device)
             self.executor = ExternalLauncherExecutor(config, self.device, group)
-            logger.info("tensor parallelism: %d torchrun ranks (%s)", t, "nccl" if self.device.type == "cuda"
+            logger.info("%s parallelism: %d torchrun ranks (%s)", what, t, "nccl" if self.device.type == "cuda"
                         else "gloo")
             return group
         self.device = rank_device(self.device, 0)
         self.executor = TPExecutor(config, self.device)
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", t, "nccl" if self.device.type == "cuda"
+        logger.info("%s parallelism: %d ranks (%s), workers %s", what, t, "nccl" if self.device.type == "cuda"
                     else "gloo", self.executor.worker_pids)
         return self.executor.group
 

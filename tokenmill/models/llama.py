@@ -158,12 +158,21 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``tp`` (a distributed.group.TPGroup): tensor parallelism. The model is then this rank's shard:
     ``cfg`` its view (its query and KV heads, its MLP width; distributed/sharding.py), the embedding and
-    head its rows of the padded vocabulary; the weights arrive sliced (models/loader.py)."""
+    head its rows of the padded vocabulary; the weights arrive sliced (models/loader.py). A group of
+    pipeline stages (``tp.pipeline``) instead: this rank's layers ``layer_range`` whole, renumbered from 0
+    in ``cfg`` and ``layers`` (distributed/pipeline.py); embed, run_layers and compute_logits are the
+    stage's three parts."""
 
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int, tp=None) -> None:
         super().__init__()
+        from tokenmill.distributed.pipeline import stage_config, stage_layers
         from tokenmill.distributed.sharding import local_config, padded_vocab
 
+        if tp is not None and tp.pipeline:  # a pipeline stage: its layers whole, renumbered from 0
+            self.layer_range = stage_layers(cfg.num_layers, tp.rank, tp.size)
+            cfg, tp = stage_config(cfg, *self.layer_range), None
+        else:
+            self.layer_range = (0, cfg.num_layers)
         self.tp = tp
         self.cfg = cfg = cfg if tp is None else local_config(cfg, tp.size, tp.expert_parallel)
         rows = self.vocab_rows = cfg.vocab_size if tp is None else padded_vocab(cfg.vocab_size, tp.size) // tp.size
@@ -236,9 +245,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
     ) -> torch.Tensor:  # [N, V] float32
+        x = self.run_layers(self.embed(input_ids), positions, kv_caches, meta)
+        return self.compute_logits(x, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_parallel(input_ids)
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the model dtype, as transformers does
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers this model holds (all of them, or a pipeline stage's) over hidden states x."""
         rope_tables = self.rope.tables(positions)
         if self.ops is not None:
             rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
@@ -248,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             for layer, kv in zip(self.layers, kv_caches):
                 x = layer(x, rope_tables, kv, meta)
+        return x
+
+    def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         # The output head is the largest GEMM: run it only where a token is sampled.
         x = self.norm(x[logits_indices])
         if self.head is not None:

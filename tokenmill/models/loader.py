@@ -69,7 +69,15 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
             raw = gguf_quantized_weights(reader, cfg)
         kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
         weights = gguf_weights(reader, cfg, frozenset(kept))
-    if tp is not None and tp.size > 1:
+    if tp is not None and tp.size > 1 and tp.pipeline:  # this stage's layers, renumbered from 0
+        from tokenmill.distributed.pipeline import check_pipeline_parallel, stage_layers, stage_name
+
+        check_pipeline_parallel(cfg, tp.size)
+        first, last = stage_layers(cfg.num_layers, tp.rank, tp.size)
+        weights = ((new, w) for n, w in weights if (new := stage_name(n, first, last)) is not None)
+        if raw:
+            raw = {new: q for n, q in raw.items() if (new := stage_name(n, first, last)) is not None}
+    elif tp is not None and tp.size > 1:
         from tokenmill.distributed.sharding import check_tensor_parallel, holds_weight, shard_quantized, shard_weight
 
         rank, size, ep = tp.rank, tp.size, tp.expert_parallel

@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.distributed.pipeline import pipelined_forward
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
@@ -87,6 +88,7 @@ class ModelRunner:
         # tensor parallelism, on the driver (rank 0): every forward pass is first sent to the workers,
         # which run the same one on their shards (distributed/executor.py)
         self.executor = None
+        self.pipeline = None  # (group, micro-batches) when this rank is a pipeline stage (distributed/pipeline.py)
 
     # ---- request state ---------------------------------------------------------------
 
@@ -223,6 +225,9 @@ class ModelRunner:
         return self._local_forward(order, logits_rows)
 
     def _local_forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+        if self.pipeline is not None:
+            group, micro_batches = self.pipeline
+            return pipelined_forward(self, group, order, logits_rows, micro_batches)
         input_ids, pos_t, meta = self._inputs(order)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos_t, self.kv_caches, meta, rows)
