@@ -47,6 +47,36 @@ def test_roofline_of_a_llama3_8b_decode_step_by_hand():
     assert tp.breakdown(big)["compute_s"] == pytest.approx(cost.breakdown(big)["compute_s"] / 2)
 
 
+def test_pipeline_parallel_roofline_by_hand():
+    """PP=2 on two H100s, a decode step of 8 requests at context 1000: m micro-batches each read a stage's
+    weights (half of them) again, the step takes m + 1 stage turns (one is the bubble), and the last
+    micro-batch's hidden states and logits cross the link."""
+    one = RooflineCost(llama3_8b(), load_hardware("h100"))
+    s = StepShape(0, 8, 8, 8 * 1000, 8 * 1000, 8 * 1000, 8)
+    weights, kv = 2 * 7_504_658_432, (8 * 1000 + 8) * 2 * 32 * 8 * 128 * 2
+    for m in (1, 2, 4):
+        pp = RooflineCost(llama3_8b(), load_hardware("h100"), pipeline_parallel_size=2, micro_batches=m)
+        stage = (weights / 2 + kv / (2 * m)) / 3.35e12  # bandwidth-bound
+        comm = (8 / m * 4096 * 2 / 450e9 + 5e-6) + (8 / m * 128256 * 4 / 450e9 + 5e-6)
+        b = pp.breakdown(s)
+        assert b["seconds"] == pytest.approx((m + 1) * stage + comm)
+        assert b["bubble_s"] == pytest.approx(stage)
+    # one micro-batch: the two stages' turns add up to one device's step (plus the transfers); more
+    # micro-batches only add weight reads on a bandwidth-bound decode
+    m1 = RooflineCost(llama3_8b(), load_hardware("h100"), pipeline_parallel_size=2, micro_batches=1)
+    assert m1(s) == pytest.approx(one(s) + m1.pipeline_seconds(s)["comm_s"])
+    assert RooflineCost(llama3_8b(), load_hardware("h100"), pipeline_parallel_size=2, micro_batches=4)(s) > m1(s)
+    # 4 prompts of 1024 tokens are compute-bound: 4 micro-batches turn 2 turns of 1/2 into 5 of 1/8 (one
+    # prompt would be one micro-batch: requests are not split)
+    big = StepShape(4096, 0, 4, 4 * 1024 * 1025 // 2, 4096, 0, 4)
+    flops = one.flops(big)
+    m4 = RooflineCost(llama3_8b(), load_hardware("h100"), pipeline_parallel_size=2, micro_batches=4)
+    assert m4.pipeline_seconds(big)["stage_s"] == pytest.approx(flops / (4 * 2 * 989.4e12))
+    assert m4.pipeline_seconds(StepShape(4096, 0, 1, 4096 * 4097 // 2, 4096, 0, 1))["turns"] == 2
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):
+        RooflineCost(llama3_8b(), load_hardware("h100"), tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
 def test_roofline_of_the_embedded_model_by_hand(gguf_path):
     from tokenmill.sim.cli import model_config
 

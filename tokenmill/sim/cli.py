@@ -26,6 +26,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-dtype", default="bf16", help="roofline: weight bytes (bf16, fp8, int8, int4; default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="roofline: KV cache element (bf16, fp8, int8; default bf16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="roofline: devices per replica (default 1)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="roofline: pipeline stages per replica, one device each (default 1)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=0,
+                   help="roofline: micro-batches a step is cut into across the stages (default: the stages)")
     g.add_argument("--step-time-scale", type=float, default=1.0,
                    help="multiply every step time by this: a loaded server's observed/predicted ratio "
                         "(its tokenmill:step_time_ratio gauge) carries a profile over to serving (default 1)")
@@ -123,9 +127,11 @@ def build(a: argparse.Namespace):  # noqa: ANN201
             what += f"; draft passes at {ratio:.3g} x its steps"
     else:
         hw = load_hardware(a.hardware)
-        cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size)
+        devices = a.tensor_parallel_size * a.pipeline_parallel_size
+        cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size,
+                            pipeline_parallel_size=a.pipeline_parallel_size, micro_batches=a.pipeline_micro_batches)
         kv_token = cost.kv_token_bytes
-        pool = 0.9 * hw.memory_bytes * a.tensor_parallel_size - cost.weight_bytes
+        pool = 0.9 * hw.memory_bytes * devices - cost.weight_bytes
         if draft_cfg is not None:  # its own roofline; its KV rides on the target's blocks, as in the engine
             drafter = RooflineCost(draft_cfg, hw, a.speculative_weight_dtype or a.weight_dtype, a.kv_dtype,
                                    tensor_parallel_size=a.tensor_parallel_size)
@@ -134,9 +140,9 @@ def build(a: argparse.Namespace):  # noqa: ANN201
         if pool <= 0:
             weights = cost.weight_bytes + (drafter.weight_bytes if drafter is not None else 0)
             raise ValueError(f"{name}'s weights ({weights / 1e9:.1f} GB{' with the draft model' if drafter else ''}) "
-                             f"do not fit in {a.tensor_parallel_size} x {hw.name}; raise --tensor-parallel-size or "
-                             "lower --weight-dtype")
-        what = f"{name} on {a.tensor_parallel_size} x {hw.name} (roofline; {hw.source})"
+                             f"do not fit in {devices} x {hw.name}; raise --tensor-parallel-size or "
+                             "--pipeline-parallel-size, or lower --weight-dtype")
+        what = f"{name} on {devices} x {hw.name} (roofline; {hw.source})"
         budget = 8192
     if a.step_time_scale != 1.0:
         cost = ScaledCost(cost, a.step_time_scale)
@@ -294,7 +300,8 @@ def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  #
         total = sum(bound.values()) or 1.0
         lines.append(f"where the time goes: {100 * bound['compute'] / total:.0f}% of step time in compute-bound steps "
                      f"(prefill-heavy), {100 * bound['memory'] / total:.0f}% in bandwidth-bound ones (decode); "
-                     f"all-reduce {parts.get('comm_s', 0):.2f} s")
+                     f"communication (all-reduces, stage transfers) {parts.get('comm_s', 0):.2f} s"
+                     + (f", pipeline bubble {parts['bubble_s']:.2f} s" if "bubble_s" in parts else ""))
     elif parts:
         total = (parts.get("prefill_s", 0) + parts.get("decode_s", 0)) or 1.0
         lines.append(f"where the time goes: prefill {100 * parts.get('prefill_s', 0) / total:.0f}%, decode "

@@ -11,6 +11,14 @@ MLP width I, vocabulary V, over a step of T tokens of which S are sampled:
 - time = max(FLOPs / peak, bytes / bandwidth) / tp-share + 2 L all-reduces of T d activations when
   tensor parallel (a ring: 2 (n - 1) / n of the bytes over the link, plus a latency per hop) + overhead.
 
+Pipeline parallel, P stages of L / P layers and a step cut into m micro-batches (distributed/pipeline.py,
+GPipe-style within the step): a stage's turn on one micro-batch reads the stage's weights (1/P of them)
+and does 1/(m P) of the step's FLOPs and KV traffic, so stage = max(FLOPs / (m P peak), (weights / P +
+KV / (m P)) / bandwidth); the step takes (m + P - 1) such turns, of which (P - 1) are the bubble, plus the
+last micro-batch's hidden states over P - 1 links (T / m x d activations each) and its logits back to the
+first stage (S / m x V x 4 bytes), each with the link's latency. Every micro-batch past the first reads
+the weights again: micro-batching shrinks the bubble and costs bandwidth, which the formula shows.
+
 Speculative decoding, k drafts per decoding request, each accepted i.i.d. with probability A:
 - verification: the target's step carries 1 + k tokens per decoding request, each with logits, at the
   request's context C (``verify_shape``): T = B (1 + k), S = B (1 + k), attention B ((1 + k) C +
@@ -71,13 +79,18 @@ def step_bytes(weight_bytes: float, kv_token_bytes: float, s: StepShape) -> floa
 
 class RooflineCost:
     def __init__(self, cfg: ModelConfig, hw: HardwareProfile, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                 compute_dtype: str = "bf16", tensor_parallel_size: int = 1) -> None:
+                 compute_dtype: str = "bf16", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 micro_batches: int = 0) -> None:
         for name, v in (("weight dtype", weight_dtype), ("KV dtype", kv_dtype)):
             if v not in DTYPE_BYTES:
                 raise ValueError(f"unknown {name} {v!r}: one of {', '.join(DTYPE_BYTES)}")
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor parallel size must be >= 1, got {tensor_parallel_size}")
+        for name, v in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size)):
+            if v < 1:
+                raise ValueError(f"{name} parallel size must be >= 1, got {v}")
+        if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not modelled (nor built)")
         self.cfg, self.hw, self.tp = cfg, hw, tensor_parallel_size
+        self.pp, self.micro_batches = pipeline_parallel_size, micro_batches or pipeline_parallel_size
         self.peak = hw.flops(compute_dtype)
         self.bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
         self.linear_params = (cfg.num_layers * layer_params(cfg, active=False)
@@ -95,14 +108,33 @@ class RooflineCost:
     def allreduce_seconds(self, s: StepShape) -> float:
         if self.tp == 1:
             return 0.0
-        n, link = self.tp, self.hw.interconnect_bandwidth
-        if link <= 0:
-            raise ValueError(f"{self.hw.name} has no interconnect bandwidth for tensor parallelism")
+        n, link = self.tp, self._link()
         size = s.tokens * self.cfg.hidden_size * self.act_bytes
         one = 2 * (n - 1) / n * size / link + 2 * (n - 1) * self.hw.interconnect_latency
         return 2 * self.cfg.num_layers * one
 
+    def _link(self) -> float:
+        if self.hw.interconnect_bandwidth <= 0:
+            raise ValueError(f"{self.hw.name} has no interconnect bandwidth for tensor or pipeline parallelism")
+        return self.hw.interconnect_bandwidth
+
+    def pipeline_seconds(self, s: StepShape) -> dict[str, float]:
+        """One stage's turn on one micro-batch, and the transfers on the step's critical path."""
+        p, m = self.pp, min(self.micro_batches, max(s.num_seqs, 1))  # whole requests per micro-batch
+        compute = self.flops(s) / (m * p * self.peak)
+        memory = (self.weight_bytes / p + (self.bytes(s) - self.weight_bytes) / (m * p)) / self.bandwidth
+        link, lat = self._link(), self.hw.interconnect_latency
+        comm = ((p - 1) * (s.tokens / m * self.cfg.hidden_size * self.act_bytes / link + lat)
+                + s.sampled / m * self.cfg.vocab_size * 4 / link + lat)
+        return {"stage_s": max(compute, memory), "turns": m + p - 1, "comm_s": comm,
+                "compute_s": compute * m * p, "memory_s": memory * m * p}
+
     def breakdown(self, s: StepShape) -> dict[str, float]:
+        if self.pp > 1:
+            pl = self.pipeline_seconds(s)
+            return {"compute_s": pl["compute_s"] / self.pp, "memory_s": pl["memory_s"] / self.pp,
+                    "comm_s": pl["comm_s"], "bubble_s": (self.pp - 1) * pl["stage_s"],
+                    "seconds": pl["turns"] * pl["stage_s"] + pl["comm_s"] + self.hw.step_overhead}
         compute = self.flops(s) / (self.peak * self.tp)
         memory = self.bytes(s) / (self.bandwidth * self.tp)
         comm = self.allreduce_seconds(s)
