@@ -8,6 +8,24 @@ import torch
 from tokenmill.models.registry import DEFAULT_MODEL, resolve_model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one torch thread in this process and in each parallel worker it starts (thread
+    hand-offs cost more than the math, badly so on shared cores). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import os
+
+    n, env = torch.get_num_threads(), os.environ.get("TOKENMILL_TP_THREADS")
+    torch.set_num_threads(1)
+    os.environ["TOKENMILL_TP_THREADS"] = "1"
+    yield
+    torch.set_num_threads(n)
+    if env is None:
+        os.environ.pop("TOKENMILL_TP_THREADS", None)
+    else:
+        os.environ["TOKENMILL_TP_THREADS"] = env
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     return resolve_model(DEFAULT_MODEL).path

@@ -22,18 +22,12 @@ import tiny_models as tm
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 T = gguf.GGMLQuantizationType
 TEXT = "The quick brown fox, hello world! Once upon a time 1, 2, 3"
 
 FAMILIES = ["qwen3", "mistral", "gemma2", "phi3"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

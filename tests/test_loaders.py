@@ -24,6 +24,8 @@ from tokenmill.models import gguf_loader
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 T = gguf.GGMLQuantizationType
 N_GEN = 16
 TEXT = "The quick brown fox, hello world! Once upon a time 1, 2, 3"
@@ -52,15 +54,6 @@ def check_against(llm: LLM, ref_model, ids: list[int]) -> None:
     err = rel_err(ours, ref)
     assert err < TOL, f"logits differ from transformers: relative error {err:.2e}"
     assert engine_greedy(llm, [ids])[0] == tm.hf_greedy(ref_model, ids, N_GEN)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: thread hand-offs cost more than the math, badly so on shared cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

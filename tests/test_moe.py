@@ -15,16 +15,10 @@ from tokenmill.layers.moe import SparseMoE
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXT = "The quick brown fox, hello world! Once upon a time 1, 2, 3"
 FAMILIES = ["mixtral", "qwen2_moe", "olmoe"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -19,20 +19,12 @@ from tokenmill.distributed.pipeline import (bubble_fraction, check_pipeline_para
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 N_GEN = 8
 PROMPTS = [list(range(5, 45)), [7, 100, 3, 250, 19, 4, 88], [9, 9, 9, 1, 2, 3], [44, 3, 17]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_GEN, ignore_eos=True)
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ["TOKENMILL_TP_THREADS"] = "1"
-    yield
-    os.environ.pop("TOKENMILL_TP_THREADS", None)
-    torch.set_num_threads(n)
 
 
 def make_llm(path, pp: int = 1, **kw) -> LLM:

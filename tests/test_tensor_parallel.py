@@ -20,21 +20,12 @@ from tokenmill.layers.quant import quantize_int4, quantize_q8_0
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 N_GEN = 8
 PROMPTS = [list(range(5, 45)), [7, 100, 3, 250, 19, 4, 88]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=N_GEN, ignore_eos=True)
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread in this process, and one in each worker."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    os.environ["TOKENMILL_TP_THREADS"] = "1"
-    yield
-    os.environ.pop("TOKENMILL_TP_THREADS", None)
-    torch.set_num_threads(n)
 
 
 def make_llm(path, tp: int = 1, **kw) -> LLM:
