@@ -89,7 +89,8 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
         rows = [(j, r - off) for j, r in enumerate(logits_rows) if off <= r < off + n]
         plan.append((mb, n, rows))
         off += n
-    hidden, dtype, dev = model.cfg.hidden_size, model.embed_tokens.weight.dtype, runner.device
+    # (the activations' dtype is the norms': a quantized embedding's .weight would dequantize the table)
+    hidden, dtype, dev = model.cfg.hidden_size, model.norm.weight.dtype, runner.device
     pending = []  # (work, tensor): sends in flight, their buffers kept alive until they complete
     for tag, (mb, n, rows) in enumerate(plan):
         input_ids, positions, meta = runner._inputs(mb)
