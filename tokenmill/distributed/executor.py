@@ -1,4 +1,6 @@
-"""The multi-process executor for tensor parallelism (``--tensor-parallel-size T``).
+"""The multi-process executor for tensor and pipeline parallelism (``--tensor-parallel-size T``,
+``--pipeline-parallel-size P``: the same ranks and messages; distributed/pipeline.py says what a stage
+does with a forward pass).
 
 The engine core is rank 0, the driver: scheduler, KV-cache bookkeeping, its own shard of the model and
 sampling. It starts T - 1 worker processes (multiprocessing spawn; the EngineConfig msgspec-encoded, as
