@@ -101,22 +101,17 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
         x = model.run_layers(x, positions, runner.kv_caches, meta)
         if rank < p - 1:
             pending.append((group.send(x, rank + 1, tag), x))
-        elif rows:
+        elif rows:  # the last stage (never rank 0: p > 1)
             logits = model.compute_logits(x, torch.tensor([r for _, r in rows], dtype=torch.long, device=dev))
-            if rank == 0:
-                plan[tag] = (mb, n, rows, logits)
-            else:
-                pending.append((group.send(logits, 0, tag), logits))
+            pending.append((group.send(logits, 0, tag), logits))
     out = None
     if rank == 0:
-        out = torch.empty(len(logits_rows), model.cfg.vocab_size, dtype=torch.float32, device=dev)
-        for tag, entry in enumerate(plan):
-            rows = entry[2]
-            if not rows:
-                continue
-            part = entry[3] if p == 1 else \
-                group.recv(torch.empty(len(rows), model.cfg.vocab_size, dtype=torch.float32, device=dev), p - 1, tag)
-            out[torch.tensor([j for j, _ in rows], dtype=torch.long, device=dev)] = part
+        vocab = model.cfg.vocab_size
+        out = torch.empty(len(logits_rows), vocab, dtype=torch.float32, device=dev)
+        for tag, (_, _, rows) in enumerate(plan):
+            if rows:
+                part = group.recv(torch.empty(len(rows), vocab, dtype=torch.float32, device=dev), p - 1, tag)
+                out[torch.tensor([j for j, _ in rows], dtype=torch.long, device=dev)] = part
     for work, _ in pending:
         work.wait()
     return out

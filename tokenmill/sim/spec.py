@@ -2,7 +2,7 @@
 
 The scheduler decides who drafts and how many (its off rule, on a cost curve built from the cost models
 as the engine builds it from its startup timings), reserves the drafts' KV slots and counts them against
-the token budget; ``SimProposer`` answers ``propose_batch`` with placeholder drafts and records the
+the token budget; ``SimProposer`` answers ``propose_batch`` with stand-in drafts and records the
 passes a draft model would run for them (``cost.draft_passes``, tracking the tokens the drafter holds KV
 for as ``DraftModelProposer`` does). There are no real tokens to compare, so the simulated runner draws
 how many drafts the target accepts: each i.i.d. with probability A until the first rejection
@@ -23,7 +23,7 @@ from tokenmill.sim.cost import draft_passes
 # "n-gram drafts": accepted at positions 1..3 of 0.83/0.65/0.48 at batch 1, 0.87/0.66/0.63 at 8 and
 # 0.88/0.69/0.58 at 32, i.e. A^i with A = 0.78-0.86).
 DEFAULT_ACCEPTANCE = 0.8
-DRAFT_TOKEN = 1  # what every placeholder draft is
+DRAFT_TOKEN = 1  # what every stand-in draft is
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def accepted_drafts(rng: np.random.Generator, drafts: int, acceptance: float) ->
 
 class SimProposer:
     """The drafter interface of ``spec_decode`` (``k``, ``draft_cost``, ``may_draft``, ``propose_batch``,
-    ``finish``) without a model: placeholder drafts, and for a draft model the passes it would run, which
+    ``finish``) without a model: stand-in drafts, and for a draft model the passes it would run, which
     the simulator prices and clears after each ``schedule()`` (``take_passes``)."""
 
     def __init__(self, spec: SpecDecoding, block_size: int, draft_cost) -> None:  # noqa: ANN001
