@@ -12,9 +12,10 @@ import pytest
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import ModelConfig, SchedulerConfig
 from tokenmill.core.step_cost import CalibratedCost, StepShape
-from tokenmill.sim.cost import RooflineCost, layer_params
+from tokenmill.sim.cost import (RooflineCost, kv_bytes_per_token, kv_transfer_bytes, kv_transfer_seconds,
+                                 kv_transfer_tokens, layer_params)
 from tokenmill.sim.hardware import KNOWN, load_hardware
-from tokenmill.sim.simulator import Simulator
+from tokenmill.sim.simulator import Disaggregation, Simulator
 
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -145,6 +146,137 @@ def test_simulated_timings_follow_the_cost_model():
     assert r.e2el_s == pytest.approx(0.35) and out.duration == pytest.approx(2.35)
 
 
+def test_kv_bytes_a_request_ships_by_hand(gguf_path):
+    """L x 2 x G x h elements a token, plus for an int8/fp8 cache a float32 scale per token and KV head for
+    K and for V in every layer; the same as the engine counts and allocates them."""
+    import torch
+
+    from tokenmill.sim.cli import model_config
+    from tokenmill.worker.model_runner import allocate_kv_cache, kv_cache_bytes_per_token
+
+    smol, _ = model_config("smollm2-135m-instruct")
+    assert (smol.num_layers, smol.num_kv_heads, smol.head_dim) == (30, 3, 64)
+    assert kv_bytes_per_token(smol, "fp32") == 30 * 2 * 3 * 64 * 4 == 46_080
+    assert kv_bytes_per_token(smol, "bf16") == 30 * 2 * 3 * 64 * 2 == 23_040
+    assert kv_bytes_per_token(smol, "int8") == kv_bytes_per_token(smol, "fp8") == 30 * 2 * 3 * (64 + 4) == 12_240
+    llama = llama3_8b()
+    assert kv_bytes_per_token(llama, "bf16") == 32 * 2 * 8 * 128 * 2 == 131_072
+    assert kv_bytes_per_token(llama, "int8") == 32 * 2 * 8 * (128 + 4) == 67_584
+    # the engine's count, and the tensors it allocates for one block of one token
+    for kv_dtype, dtype in (("auto", torch.float32), ("int8", torch.float32), ("fp8", torch.bfloat16)):
+        ours = kv_bytes_per_token(smol, {"auto": "fp32"}.get(kv_dtype, kv_dtype))
+        assert kv_cache_bytes_per_token(smol, dtype, kv_dtype) == ours
+        pool = allocate_kv_cache(smol, 1, 1, dtype, torch.device("cpu"), kv_dtype)
+        assert sum(t.numel() * t.element_size() for layer in pool for t in layer) == ours
+    # a 2048-token prompt ships tokens 0..2046: the decode instance recomputes the last one
+    assert kv_transfer_tokens(2048) == 2047 and kv_transfer_tokens(2048, cached=1024) == 1023
+    assert kv_transfer_tokens(1) == 0
+    assert kv_transfer_bytes(llama, 2048) == 2047 * 131_072 == 268_304_384
+    assert kv_transfer_bytes(llama, 2048, "int8") == 2047 * 67_584
+
+
+def test_kv_transfer_time_over_a_link_by_hand():
+    nbytes = 2047 * 131_072
+    assert KNOWN["h100"].kv_link_bandwidth == 400e9 / 8 == 50e9  # a ConnectX-7 at 400 Gb/s a GPU
+    assert kv_transfer_seconds(nbytes, 50e9, 5e-6) == pytest.approx(268_304_384 / 50e9 + 5e-6)  # 5.37 ms
+    assert kv_transfer_seconds(nbytes, 100e9 / 8) == pytest.approx(0.021_464_350_72)  # 100 Gb/s Ethernet
+    d = Disaggregation(1, 1, 131_072, 50e9, 5e-6)
+    assert d.transfer(2048) == (268_304_384, pytest.approx(0.005_371_087_68))
+    with pytest.raises(ValueError, match="positive bandwidth"):
+        kv_transfer_seconds(nbytes, 0.0)
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        Disaggregation(0, 1, 1.0, 1.0)
+
+
+def test_disaggregated_timings_by_hand():
+    """32-token prompt, 4 tokens, 0.01 s a token: the producer's prefill (0.32 s), the KV of 31 tokens at
+    1000 B over 31 kB/s (1 s) + 0.25 s, then the decode instance computes token 31 and samples (0.01 s)
+    and decodes 3 more."""
+    cost = lambda s: 0.01 * s.tokens  # noqa: E731
+    reqs = [SampleRequest("", 32, 4)]
+    dis = Disaggregation(1, 1, kv_token_bytes=1000, link_bandwidth=31_000, link_latency=0.25)
+    out = Simulator(cost, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024, disaggregation=dis).run(
+        reqs, [2.0])
+    r = out.results[0]
+    assert r.success and r.completion_tokens == 4
+    assert r.ttft_s == pytest.approx(0.32 + 1.25 + 0.01) and r.itl_s == pytest.approx([0.01] * 3)
+    assert r.e2el_s == pytest.approx(1.61) and out.duration == pytest.approx(3.61)
+    (t,) = out.transfers
+    assert (t.producer, t.consumer, t.bytes) == (0, 1, 31_000)
+    assert (t.prefilled, t.start, t.end) == pytest.approx((2.32, 2.32, 3.57))
+    assert out.roles == ("prefill", "decode")
+    # the producer computes the prompt; the decode instance computes one token at position 31, then decodes
+    assert [(s.instance, s.prefill_tokens, s.decode_tokens, s.scheduled) for s in out.steps] == \
+        [(0, 32, 0, (("0", 32),)), (1, 1, 0, (("0", 1),))] + [(1, 0, 1, (("0", 1),))] * 3
+    # the same request on one instance: TTFT less by the transfer and the decode instance's first step
+    one = Simulator(cost, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024).run(reqs, [2.0]).results[0]
+    assert r.ttft_s - one.ttft_s == pytest.approx(1.25 + 0.01)
+
+
+def test_disaggregated_llama3_8b_ttft_grows_by_the_transfer():
+    """One 2048-token prompt on H100s: TTFT = the prefill step + 2047 x 131072 B over the link + 5 us + one
+    step of one token at position 2047; a 100 Gb/s link adds 2047 x 131072 (1 / 12.5e9 - 1 / 50e9) s."""
+    from tokenmill.core.step_cost import StepShape as S
+
+    cost = RooflineCost(llama3_8b(), KNOWN["h100"])
+    reqs = [SampleRequest("", 2048, 16)]
+    config = SchedulerConfig(max_num_batched_tokens=8192)
+
+    def ttft(gbps: float | None) -> float:
+        dis = None if gbps is None else Disaggregation(1, 1, 131_072, gbps * 1e9 / 8, 5e-6)
+        return Simulator(cost, config, 10_000, 16, 8192, disaggregation=dis).run(reqs, [0.0]).results[0].ttft_s
+
+    alone, fast, slow = ttft(None), ttft(400), ttft(100)
+    assert alone == pytest.approx(cost(S(2048, 0, 1, 2048 * 2049 // 2, 2048, 0, 1)))  # the prefill: ~30 ms
+    first_step = cost(S(1, 0, 1, 2048, 2048, 2048, 1))  # token 2047 over a context of 2047: ~4.6 ms
+    assert fast == pytest.approx(alone + 268_304_384 / 50e9 + 5e-6 + first_step)
+    assert slow - fast == pytest.approx(268_304_384 * (1 / 12.5e9 - 1 / 50e9))  # 16.1 ms more
+
+
+def test_a_full_decode_instance_queues_and_one_that_cannot_fit_rejects():
+    """max_num_seqs 1: the second request reaches the decode instance while the first decodes and waits in
+    its queue; only once admitted (its blocks reserved) does it pull its KV, which its producer holds till
+    then. A request whose prompt and output could never fit a decode instance's pool is refused (400)
+    before any prefill."""
+    cost = lambda s: 0.01 * s.tokens  # noqa: E731
+    dis = Disaggregation(1, 1, kv_token_bytes=1000, link_bandwidth=3_100_000)  # 31 tokens: 0.01 s
+    sim = Simulator(cost, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256), 8, 16, 1024,
+                    disaggregation=dis)
+    out = sim.run([SampleRequest("", 32, 50), SampleRequest("", 32, 50), SampleRequest("", 32, 200)], [0.0, 0.0, 0.0])
+    a, b, c = out.results
+    # a: prefill [0, 0.32], KV [0.32, 0.33], first token 0.34, last 0.83
+    assert a.ttft_s == pytest.approx(0.34) and a.e2el_s == pytest.approx(0.83)
+    # b: prefill [0.32, 0.64], queued at the decode instance till a ends at 0.83, KV [0.83, 0.84], first
+    # token 0.85
+    assert b.ttft_s == pytest.approx(0.85) and b.itl_s == pytest.approx([0.01] * 49)
+    assert [t.index for t in out.transfers] == [0, 1]
+    assert [x for t in out.transfers for x in (t.prefilled, t.admitted, t.start, t.end)] == pytest.approx(
+        [0.32, 0.32, 0.32, 0.33, 0.64, 0.83, 0.83, 0.84])
+    assert max(s.num_waiting for s in out.steps if s.instance == 1) == 1
+    # the producer held a's 2 blocks (its 32 prompt tokens) through b's prefill: they were sent at 0.33,
+    # after b's step began
+    assert [s.kv_blocks_used for s in out.steps if s.instance == 0] == [2, 4]
+    assert not c.success and c.status == 400 and "KV blocks" in c.error
+    # two producers share one decode instance's link: the second transfer waits for the first
+    two = Simulator(cost, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                    disaggregation=Disaggregation(2, 1, 1000, 31_000)).run(
+        [SampleRequest("", 32, 4)] * 2, [0.0, 0.0])
+    assert [(t.producer, t.consumer) for t in two.transfers] == [(0, 2), (1, 2)]
+    assert [x for t in two.transfers for x in (t.start, t.end)] == pytest.approx([0.32, 1.32, 1.32, 2.32])
+
+
+def test_disaggregated_prefix_cache_ships_only_what_the_decode_instance_lacks():
+    """The same 64-token prompt twice: the second is prefilled from the producer's cache (48 tokens: 3 full
+    blocks) and the decode instance, which cached tokens 0..62 of the first, pulls only tokens 48..62."""
+    ids = list(range(100, 164))
+    dis = Disaggregation(1, 1, kv_token_bytes=1000, link_bandwidth=1e6)
+    out = Simulator(lambda s: 0.01 * s.tokens, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                    disaggregation=dis).run([SampleRequest("", 64, 4, prompt_ids=ids)] * 2, [0.0, 1.0])
+    assert [t.bytes for t in out.transfers] == [63 * 1000, 15 * 1000]
+    assert [s.prefill_tokens for s in out.steps if s.instance == 0] == [64, 16]
+    assert all(r.success for r in out.results)
+
+
 def test_calibrated_fit_recovers_a_linear_cost():
     rng = np.random.default_rng(1)
     shapes = [StepShape(int(p), int(d), int(d) + 1, int(d) * 300 + int(p) * 50, 0, int(d) * 300, int(d) + 1)
@@ -179,6 +311,25 @@ def test_cli_answers_and_errors(tmp_path, capsys):
     assert "tokenmill profile" in capsys.readouterr().err
     assert main(base + ["--dataset", "trace", "--dataset-path", str(bad), "--hardware", "h100"]) == 2
     assert capsys.readouterr().err
+
+
+def test_cli_disaggregated(tmp_path, capsys):
+    from tokenmill.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    base = ["simulate", "--model", str(tmp_path / "config.json"), "--dataset", "random", "--num-prompts", "1",
+            "--input-len", "2048", "--output-len", "16", "--tokenizer", "smollm2-135m-instruct", "--request-rate",
+            "inf", "--hardware", "h100"]
+    assert main(base + ["--disaggregated", "1:1"]) == 0
+    text = capsys.readouterr().out
+    assert "disaggregated 1:1" in text and "mean 268.3 MB each" in text and "transfer mean 5.37 ms" in text
+    assert "decode instances:" in text
+    assert main(base + ["--disaggregated", "2:1", "--kv-link-gbps", "100", "--kv-link-latency-us", "0"]) == 0
+    assert "transfer mean 21.46 ms" in capsys.readouterr().out
+    assert main(base + ["--disaggregated", "1"]) == 2
+    assert "P:D" in capsys.readouterr().err
+    assert main(base + ["--kv-link-gbps", "100"]) == 2
+    assert "--disaggregated" in capsys.readouterr().err
 
 
 def test_ten_thousand_requests_simulate_in_under_a_minute():

@@ -283,6 +283,8 @@ def test_serve_plans_to_a_100ms_itl_by_default_and_offline_commands_do_not():
     assert serve.itl_target_ms == 100 and serve.plans_steps and serve.max_num_batched_tokens == 2048
     off = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["serve", "--itl-target-ms", "0"]))).scheduler
     assert not off.plans_steps and off.max_num_batched_tokens == 256
+    producer = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["serve", "--kv-role", "producer"]))).scheduler
+    assert not producer.plans_steps  # a prefill instance has no decodes to protect
     offline = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["generate", "hi"]))).scheduler
     assert not offline.plans_steps
     with pytest.raises(ValueError, match="--slo-tpot-ms or --itl-target-ms"):

@@ -7,7 +7,8 @@ import json
 import logging
 import sys
 
-from tokenmill.engine.arg_utils import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from tokenmill.engine.arg_utils import (add_engine_args, add_kv_transfer_args, add_sampling_args, engine_kwargs,
+                                       sampling_params)
 
 SERVE_ITL_TARGET_MS = 100.0
 
@@ -123,8 +124,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "vLLM metric names), /version. Binds 127.0.0.1 unless --host says otherwise.")
     add_server_args(s)
     add_engine_args(s)
+    add_kv_transfer_args(s)
     # a server plans steps to an inter-token latency; offline commands keep the throughput budget
-    s.set_defaults(func=cmd_serve, itl_target_ms=SERVE_ITL_TARGET_MS)
+    # a server plans steps to an inter-token latency; offline commands keep the throughput budget
+    s.set_defaults(func=cmd_serve, serve_itl_target_ms=SERVE_ITL_TARGET_MS)
+
+    from tokenmill.server.args import add_router_args
+
+    r = sub.add_parser("router", help="prefill/decode disaggregation: one OpenAI endpoint in front of producer and "
+                       "consumer instances",
+                       description="Send each request's prefill to a `tokenmill serve --kv-role producer` instance "
+                                   "and its decode, with the KV pulled from the producer, to a `--kv-role consumer` "
+                                   "instance; the client sees one ordinary (streaming) response. Balances each leg by "
+                                   "load (/metrics), retries a leg on another instance when one fails. /metrics has "
+                                   "the router's own counters and the prefill / decode split of TTFT.")
+    add_router_args(r)
+    r.set_defaults(func=_lazy("tokenmill.kv_transfer.router", "run_router"))
 
     b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
     bsub = b.add_subparsers(dest="bench_command", required=True)

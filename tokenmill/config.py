@@ -257,6 +257,44 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
 
 
+# --kv-role: prefill/decode disaggregation (tokenmill/kv_transfer/)
+KV_ROLES = ("producer", "consumer")
+KV_TRANSPORTS = ("tcp", "torch")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation: this instance's side of the KV transfer (``--kv-role``).
+
+    A producer prefills requests sent with ``kv_transfer_params: {"do_remote_decode": true}`` and holds
+    their KV blocks until a consumer pulls them (or ``kv_transfer_timeout`` passes); a consumer admits
+    requests sent with ``{"do_remote_prefill": true, remote_host, remote_port, remote_request_id}``,
+    reserves their blocks, pulls the KV from the producer and then decodes. ``kv_transport``: tcp
+    (length-prefixed frames of raw tensor bytes) or torch (torch.distributed point to point: gloo here,
+    NCCL on GPUs; the control frames still go over TCP)."""
+
+    kv_role: str | None = None
+    kv_transport: str = "tcp"
+    kv_host: str = "127.0.0.1"  # where a producer listens for pulls (loopback unless told)
+    kv_port: int = 0  # 0: a free port (the producer's responses say which)
+    kv_transfer_timeout: float = 30.0
+    kv_load_failure_policy: str = "recompute"  # a consumer whose pull fails: compute the prompt here, or fail it
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got {self.kv_transport!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"--kv-load-failure-policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")
+        if not (isinstance(self.kv_port, int) and 0 <= self.kv_port < 65536):
+            raise ValueError(f"--kv-port must be a TCP port (0 for a free one), got {self.kv_port!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(f"--kv-transfer-timeout must be positive seconds, got {self.kv_transfer_timeout!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
@@ -269,6 +307,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # The step-cost model latency targets plan with: a `tokenmill profile` file; None: measured at startup
     step_cost_profile: str | None = None
 
@@ -289,7 +328,7 @@ class EngineConfig:
         kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         parts = {}
         for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig),
-                          ("parallel", ParallelConfig)):
+                          ("parallel", ParallelConfig), ("kv_transfer", KVTransferConfig)):
             own = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         unknown = set(kwargs) - {f.name for f in fields(cls)}

@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its KV dropped; recomputed when readmitted
+    WAITING_FOR_KV = "waiting_for_kv"  # disaggregation: admitted, its blocks reserved, its KV arriving
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"
@@ -58,6 +59,10 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     constraints: object = None  # structured_output.RequestConstraints, compiled at add_request
     slo_tpot_ms: float | None = None  # its own time-per-output-token SLO (the SLO planner meets the tightest)
+    # prefill/decode disaggregation (kv_transfer/): {"do_remote_decode": True} on a producer;
+    # {"do_remote_prefill": True, "remote_host", "remote_port", "remote_request_id"} on a consumer
+    kv_transfer: dict | None = None
+    error: str | None = None  # why the engine ended it (reported with its abort)
 
     def __post_init__(self) -> None:
         if not self.timings.arrival:

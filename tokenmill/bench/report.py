@@ -14,7 +14,10 @@ SERVER_ROWS = (("engine_idle_fraction", "Engine step-loop idle fraction:"),
                ("bandwidth_utilization", "Peak bandwidth used while busy:"),
                ("engine_cpu_utilization", "Engine CPU utilization:"),
                ("mean_server_kv_cache_usage", "Mean KV-cache usage:"),
-               ("max_server_kv_cache_usage", "Peak KV-cache usage:"))
+               ("max_server_kv_cache_usage", "Peak KV-cache usage:"),
+               ("mean_ttft_prefill_ms", "Mean TTFT: prefill leg (ms):"),
+               ("mean_ttft_kv_transfer_ms", "Mean TTFT: KV transfer (ms):"),
+               ("mean_ttft_first_decode_ms", "Mean TTFT: first decode (ms):"))
 
 
 def _rate(r: RunResult) -> str:

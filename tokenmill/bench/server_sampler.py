@@ -30,7 +30,7 @@ class ServerSampler:
             r = await self._client.get(self.url)
             if r.status_code == 200:
                 scrape = Scrape.from_text(r.text, time.time())
-                if scrape.is_inference_server:
+                if scrape.is_inference_server or scrape.is_router:
                     self.scrapes.append(scrape)
         except Exception:  # noqa: BLE001 - no /metrics, or not Prometheus text: the figures are left out
             pass
@@ -55,10 +55,13 @@ class ServerSampler:
 
     def summary(self) -> dict[str, float]:
         """Over the run: the device's busy share and roofline use, the engine's idle share and CPU use
-        (tokenmill), and the mean and peak of the server's running, waiting and KV-cache gauges."""
+        (tokenmill), and the mean and peak of the server's running, waiting and KV-cache gauges. Behind
+        tokenmill's router: the mean TTFT split into the prefill leg, the KV transfer and the first decode."""
         if len(self.scrapes) < 2:
             return {}
         first, last = self.scrapes[0], self.scrapes[-1]
+        if last.is_router:
+            return router_split(first, last)
         f = frame(last, first, first)
         out = {}
         for key, name in (("device_busy", "device_busy_ratio"), ("engine_idle", "engine_idle_fraction"),
@@ -74,3 +77,24 @@ class ServerSampler:
                 out[f"mean_{name}"] = statistics.fmean(values)
                 out[f"max_{name}"] = max(values)
         return out
+
+
+def router_split(first: Scrape, last: Scrape) -> dict[str, float]:
+    """Over a run through tokenmill's router, the mean time to first token's parts: the prefill leg (queueing
+    and prefill on a producer), the KV transfer (the consumer's pull) and the first decode (the rest of the
+    decode leg until its first bytes: the prompt's last token and queueing)."""
+    def mean(total: str, count: str) -> float | None:
+        n = (last.get(count) or 0.0) - (first.get(count) or 0.0)
+        return ((last.get(total) or 0.0) - (first.get(total) or 0.0)) / n if n > 0 else None
+
+    prefill = mean("router_prefill_s", "router_prefills")
+    transfer = mean("router_kv_transfer_s", "router_kv_transfers")
+    decode = mean("router_decode_first_s", "router_decodes")
+    out = {}
+    if prefill is not None:
+        out["mean_ttft_prefill_ms"] = 1e3 * prefill
+    if transfer is not None:
+        out["mean_ttft_kv_transfer_ms"] = 1e3 * transfer
+    if decode is not None:
+        out["mean_ttft_first_decode_ms"] = 1e3 * (decode - (transfer or 0.0))
+    return out

@@ -18,6 +18,14 @@ runner copies its KV blocks to host memory before the step (``swap_out``), its b
 freed and it keeps ``num_computed_tokens``; when it is admitted again it gets fresh blocks,
 which the runner fills back from host memory before that step (``swap_in``).
 
+Prefill/decode disaggregation (kv_transfer/) is two more states. On a consumer, a request whose
+prompt was prefilled elsewhere is admitted with blocks for its whole prompt reserved (after any cached
+prefix) and waits in ``waiting_for_kv``, costing no budget, while the connector fills its blocks
+(``kv_recv``); once they arrive it runs with all but its last prompt token computed, so its first step
+computes that token and samples the first output, as after a prefix-cache hit. On a producer, a request
+that asked for remote decode keeps its blocks when it finishes, until the connector has sent them
+(``take_kv_sends``, ``kv_send_done``); the connector owns the timeout either way.
+
 No tensors here: the simulator and the CPU tests drive this exact code.
 """
 
@@ -59,6 +67,28 @@ class ScheduledRequest:
     draft_probs: Any = None  # the [drafts, vocab] distributions sampled drafts came from; None: point drafts
 
 
+@dataclass(frozen=True)
+class KVRecv:
+    """Disaggregation, consumer side: fill ``block_ids`` (the request's table from ``first_block`` on) with
+    the KV of prompt tokens [first_block x block_size, num_tokens) held by the producer ``remote``."""
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+    prompt_token_ids: list[int]
+    remote: dict
+
+
+@dataclass(frozen=True)
+class KVSend:
+    """Disaggregation, producer side: a finished request's blocks, held until a consumer pulls them."""
+
+    request_id: str
+    block_ids: list[int]
+    prompt_token_ids: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -70,6 +100,7 @@ class SchedulerOutput:
     # (request id, the fresh blocks) to copy its saved KV back into
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    kv_recv: list[KVRecv] = field(default_factory=list)  # disaggregation: KV the connector is to pull
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -142,6 +173,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.draft_s = 0.0
         self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
+        self.waiting_for_kv: dict[str, Request] = {}  # consumer: blocks reserved, KV arriving
+        self.kv_sending: set[str] = set()  # producer: finished, blocks held until the connector sent them
+        self._kv_sends: list[KVSend] = []  # finished since take_kv_sends
+        self._recv_cancelled: set[str] = set()  # aborted while receiving: blocks kept until the pull ends
+        self.recompute_failed_kv = True  # a failed pull: compute the prompt here (False: fail the request)
         self.clock = time.perf_counter  # tests substitute a fake clock
 
     # ---- admission -------------------------------------------------------------------
@@ -165,6 +201,9 @@ class Scheduler:
             return
         if req in self.running:
             self.running.remove(req)
+        elif request_id in self.waiting_for_kv:  # the connector may be writing its blocks: keep them
+            del self.waiting_for_kv[request_id]
+            self._recv_cancelled.add(request_id)
         else:
             self.waiting.remove(req)
         self._finish(req, status)
@@ -172,7 +211,14 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.timings.finished = self.clock()
-        self.kv_cache.free(req.request_id)
+        kv = req.kv_transfer
+        if kv and kv.get("do_remote_decode") and status in (RequestStatus.FINISHED_LENGTH,
+                                                            RequestStatus.FINISHED_STOPPED):
+            self.kv_sending.add(req.request_id)  # its blocks go to a consumer first
+            self._kv_sends.append(KVSend(req.request_id, list(self.kv_cache.block_tables[req.request_id]),
+                                         req.prompt_token_ids))
+        elif req.request_id not in self._recv_cancelled:
+            self.kv_cache.free(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
         if self.proposer is not None:
             self.proposer.finish(req.request_id)
@@ -184,7 +230,67 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    # ---- disaggregation ----------------------------------------------------------------
+
+    def take_kv_sends(self) -> list[KVSend]:
+        """Producer: requests finished since the last call whose blocks wait for a consumer."""
+        sends, self._kv_sends = self._kv_sends, []
+        return sends
+
+    def kv_send_done(self, request_id: str) -> None:
+        """Producer: the connector sent the blocks (or gave up): they are free."""
+        if request_id in self.kv_sending:
+            self.kv_sending.discard(request_id)
+            self.kv_cache.free(request_id)
+
+    def kv_recv_done(self, request_id: str, error: str | None = None) -> Request | None:
+        """Consumer: the connector filled the request's blocks (error None) or could not. On success it runs
+        from its last prompt token; on failure it computes its prompt here (``recompute_failed_kv``) or
+        ends, aborted with the error: then it is returned, for the engine to report."""
+        req = self.waiting_for_kv.pop(request_id, None)
+        if req is None:
+            if request_id in self._recv_cancelled:  # aborted while its KV arrived
+                self._recv_cancelled.discard(request_id)
+                self.kv_cache.free(request_id)
+            return None
+        if error is None:
+            req.kv_transfer = None  # received: preempted later, it recomputes like any request
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kv_cache.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            req.timings.first_scheduled = self.clock()
+            if req.promoted:
+                self.running.insert(0, req)
+            else:
+                self.running.append(req)
+            return None
+        self.kv_cache.free(request_id)
+        req.num_computed_tokens = 0
+        if self.recompute_failed_kv:
+            req.kv_transfer = None
+            req.status = RequestStatus.WAITING
+            self.waiting.add_preempted(req)
+            return None
+        req.error = error
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def _remote_prefill(self, req: Request, num_cached: int) -> bool:
+        """Consumer: whether the request's prompt KV is to come from a producer (beyond what is cached)."""
+        kv = req.kv_transfer
+        return bool(kv and kv.get("do_remote_prefill") and num_cached < req.num_prompt_tokens - 1
+                    and req.sampling_params.prompt_logprobs is None and not req.output_token_ids)
+
+    def _await_kv(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
+        kv = self.kv_cache
+        first, n = num_cached // kv.block_size, req.num_prompt_tokens - 1
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[req.request_id] = req
+        out.kv_recv.append(KVRecv(req.request_id, kv.block_tables[req.request_id][first:kv.blocks_needed(n)], first,
+                                  n, req.prompt_token_ids, req.kv_transfer))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
@@ -230,7 +336,7 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
         while self.waiting and not out.preempted_request_ids and budget > 0:
-            if len(self.running) >= max_running:
+            if len(self.running) + len(self.waiting_for_kv) >= max_running:
                 break
             req = self.waiting[0]
             swapped = req.request_id in self.swapped
@@ -241,6 +347,13 @@ class Scheduler:
                 hits = (kv.get_computed_blocks(req.request_id, req.all_token_ids)
                         if kv.enable_prefix_caching and req.sampling_params.prompt_logprobs is None else [])
                 num_cached = len(hits) * kv.block_size
+            if not swapped and self._remote_prefill(req, num_cached):  # its KV comes from a producer
+                if kv.allocate_slots(req.request_id, req.num_prompt_tokens, hits) is None:
+                    break
+                self.waiting.pop()
+                self._count_prefix_hits(req, num_cached)
+                self._await_kv(req, num_cached, out)
+                continue
             num_new = req.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -253,10 +366,8 @@ class Scheduler:
                 self.swapped.discard(req.request_id)
                 out.swap_in.append((req.request_id, kv.block_tables[req.request_id][:kv.blocks_needed(num_cached)]))
             req.num_computed_tokens = num_cached
-            if kv.enable_prefix_caching and not swapped:
-                kv.stats.requests += 1
-                kv.stats.queries += req.num_tokens
-                kv.stats.hits += num_cached
+            if not swapped:
+                self._count_prefix_hits(req, num_cached)
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
@@ -264,21 +375,16 @@ class Scheduler:
                 self.running.insert(0, req)
             else:
                 self.running.append(req)
-            if req.request_id not in self._known_to_runner:
-                self._known_to_runner.add(req.request_id)
-                out.new_requests.append(
-                    NewRequestData(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        list(req.output_token_ids),
-                        req.sampling_params,
-                        req.eos_token_ids,
-                        req.constraints,
-                    )
-                )
             self._emit(req, num_new, out)
             budget -= num_new
         return out
+
+    def _count_prefix_hits(self, req: Request, num_cached: int) -> None:
+        kv = self.kv_cache
+        if kv.enable_prefix_caching:
+            kv.stats.requests += 1
+            kv.stats.queries += req.num_tokens
+            kv.stats.hits += num_cached
 
     def _draft_room(self, req: Request, budget: int, draft_cost, batch: int) -> int:
         """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
@@ -307,6 +413,10 @@ class Scheduler:
 
     def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = (),
               draft_probs: Any = None) -> None:
+        if req.request_id not in self._known_to_runner:  # its first step: the runner learns of it
+            self._known_to_runner.add(req.request_id)
+            out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                                                   req.sampling_params, req.eos_token_ids, req.constraints))
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
         out.scheduled.append(

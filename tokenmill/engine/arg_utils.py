@@ -73,6 +73,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_latency_args(p)
 
 
+def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    """serve's disaggregation flags (engine_kwargs takes them where the command has them)."""
+    g = p.add_argument_group("prefill/decode disaggregation (with `tokenmill router` in front)")
+    g.add_argument("--kv-role", default=None, choices=["producer", "consumer"],
+                   help="producer: a prefill instance, which holds each prefilled request's KV blocks until a "
+                        "consumer pulls them; consumer: a decode instance, which pulls a request's prompt KV from "
+                        "the producer its router names, then decodes it (default: neither, colocated serving)")
+    g.add_argument("--kv-transport", default="tcp", choices=["tcp", "torch"],
+                   help="how KV blocks travel: tcp, length-prefixed frames of raw tensor bytes (default); torch, "
+                        "torch.distributed point to point on a gloo pair per connection. Both sides must agree")
+    g.add_argument("--kv-host", default="127.0.0.1",
+                   help="producer: the address consumers pull KV from (default 127.0.0.1, this machine only)")
+    g.add_argument("--kv-port", type=int, default=0,
+                   help="producer: the port consumers pull KV from (default 0: a free one; the producer's "
+                        "responses name it)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a producer holds a request's blocks for a consumer, and a consumer waits on a "
+                        "producer, before giving up: the blocks go back to the pool (default 30)")
+    g.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="consumer: a pull that fails (producer gone, blocks expired) computes the prompt here "
+                        "(recompute, default) or ends the request aborted (fail)")
+
+
 def add_speculative_args(g, engine: bool = True) -> None:  # noqa: ANN001 -- an argparse group or parser
     """The speculative-decoding flags: serve's, and (engine=False: what the draft model and the method are)
     simulate's, which runs the same scheduler with a modelled acceptance."""
@@ -102,8 +125,9 @@ def add_latency_args(p: argparse.ArgumentParser, step_cost_profile: bool = True)
     g.add_argument("--itl-target-ms", type=float, default=None,
                    help="inter-token latency each step is planned to meet: a step takes the running decodes plus "
                         "the largest prefill chunk whose predicted time fits (Sarathi-Serve's rule), so long "
-                        "prompts never stall the decodes past it (serve: default 100; other commands: off, the "
-                        "fixed --max-num-batched-tokens; 0 turns it off; simulate: off unless given)")
+                        "prompts never stall the decodes past it (serve: default 100, off on a --kv-role producer; "
+                        "other commands: off, the fixed --max-num-batched-tokens; 0 turns it off; simulate: off "
+                        "unless given)")
     g.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="time-to-first-token SLO: a request whose predicted TTFT misses it is answered at once "
                         "with 503 and Retry-After (--slo-policy shed), never admitted to make everyone late; a "
@@ -147,6 +171,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs per token")
 
 
+def _itl_target_ms(a: argparse.Namespace) -> float | None:
+    """--itl-target-ms, or the command's default (serve's); a prefill instance (--kv-role producer) runs no
+    decodes, so it has none by default."""
+    if a.itl_target_ms is not None:
+        return a.itl_target_ms or None
+    return None if getattr(a, "kv_role", None) == "producer" else getattr(a, "serve_itl_target_ms", None)
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
@@ -156,12 +188,16 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                 prompt_lookup_min=a.prompt_lookup_min, prompt_lookup_max=a.prompt_lookup_max,
                 speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization,
-                itl_target_ms=a.itl_target_ms or None, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+                itl_target_ms=_itl_target_ms(a), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                 slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 pipeline_micro_batches=a.pipeline_micro_batches,
                 distributed_executor_backend=a.distributed_executor_backend,
-                enable_expert_parallel=a.enable_expert_parallel)
+                enable_expert_parallel=a.enable_expert_parallel,
+                **{k: getattr(a, k) for k in KV_TRANSFER_FLAGS if hasattr(a, k)})
+
+
+KV_TRANSFER_FLAGS = ("kv_role", "kv_transport", "kv_host", "kv_port", "kv_transfer_timeout", "kv_load_failure_policy")
 
 
 def sampling_params(a: argparse.Namespace, model_path=None):

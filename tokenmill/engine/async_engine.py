@@ -70,6 +70,8 @@ class EngineSnapshot:
     busy_seconds: float = 0.0  # the engine core's time in steps since it started
     forecast: Forecast | None = None  # with a latency target: the load TTFT is predicted from
     time: float = 0.0  # time.perf_counter when taken
+    num_waiting_for_kv: int = 0  # disaggregation: consumer requests whose KV is arriving
+    num_kv_held: int = 0  # producer requests whose blocks wait for a consumer
 
 
 class EngineObserver(Protocol):
@@ -174,6 +176,7 @@ class _Add:
     future: concurrent.futures.Future
     slo_tpot_ms: float | None = None
     admitted: list | None = None  # its entry in AsyncEngine._admitted, where SLO admission counted it
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation (LLMEngine.add_request)
 
 
 @dataclass
@@ -284,7 +287,7 @@ class AsyncEngine:
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           priority: int = 0, add_special_tokens: bool = True,
                           arrival_time: float | None = None, slo_ttft_ms: float | None = None,
-                          slo_tpot_ms: float | None = None) -> RequestStream:
+                          slo_tpot_ms: float | None = None, kv_transfer_params: dict | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
         Raises ValueError (invalid or can never fit), QueueFullError, SLOShedError, EngineDrainingError
@@ -309,7 +312,7 @@ class AsyncEngine:
                 raise EngineDrainingError("the server is shutting down and admits no new requests")
             admitted = self._admit(num_tokens, params, priority, slo_ttft_ms, stream) if num_tokens else None
             self._commands.append(_Add(prompt, params, request_id, priority, add_special_tokens,
-                                       arrival_time, stream, future, slo_tpot_ms, admitted))
+                                       arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(future)
@@ -457,6 +460,8 @@ class AsyncEngine:
                     f"limit is {limit} (--max-waiting-requests); retry later")
             # The command waited for the step in flight; latencies count from the real arrival.
             slo = {"slo_tpot_ms": cmd.slo_tpot_ms} if cmd.slo_tpot_ms else {}
+            if cmd.kv_transfer_params is not None:
+                slo["kv_transfer_params"] = cmd.kv_transfer_params
             rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
                                      arrival_time=cmd.arrival_time, **slo)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too
@@ -531,7 +536,8 @@ class AsyncEngine:
                 self.snapshot = EngineSnapshot(
                     state.num_running, state.num_waiting, 1.0 - state.num_free_blocks / num_blocks,
                     state.num_free_blocks, num_blocks, state.num_preemptions, self._num_steps, len(self._streams),
-                    state.busy_seconds, forecast, time.perf_counter())
+                    state.busy_seconds, forecast, time.perf_counter(), getattr(state, "num_waiting_for_kv", 0),
+                    getattr(state, "num_kv_held", 0))
                 self._admitted = [e for e in self._admitted if e[0] is None or e[0] > added]
         except Exception:  # noqa: BLE001 - a broken engine must not break reporting
             logger.exception("could not read engine state")

@@ -13,7 +13,7 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
-from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
 from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.roofline import machine_roofline, weight_bytes_read  # noqa: E402
@@ -37,6 +37,7 @@ logger = logging.getLogger("tokenmill")
 SWAP_DEVICES = ("cuda",)
 # The failure tests' hook: the model runner raises at this step of the engine core (1-based).
 FAULT_ENV = "TOKENMILL_FAULT_AT_STEP"
+KV_POLL_S = 0.005  # with only KV transfers pending, how long a step waits for one to end (or for a request)
 
 
 def _device_uuid(device: torch.device) -> str | None:
@@ -79,6 +80,8 @@ class EngineCore:
     Nothing here tokenizes or detokenizes; the front end (LLMEngine) does, in this process or in
     the API server's (engine/core_process.py).
     """
+
+    kv_connector = None  # prefill/decode disaggregation (kv_transfer/connector.py), with --kv-role
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -174,13 +177,17 @@ class EngineCore:
         if config.scheduler.plans_steps:
             self.scheduler.planner = SLOPlanner(config.scheduler, self._step_cost(config))
             phase("step cost")
+        if config.kv_transfer.kv_role is not None:
+            self._start_kv_transfer(config, kv_tensors, tp, draft)
         self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
         roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."))
         phase("roofline")
         self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
                              str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
                              cache.block_size, self.kv_bytes_per_token, proposer is not None, config,
-                             str(self.device), _device_uuid(self.device), roofline)
+                             str(self.device), _device_uuid(self.device), roofline,
+                             list(self.kv_connector.address) if self.kv_connector and self.kv_connector.address
+                             else None)
         logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
@@ -224,10 +231,29 @@ class EngineCore:
                     else "gloo", self.executor.worker_pids)
         return self.executor.group
 
+    def _start_kv_transfer(self, config: EngineConfig, kv_tensors, tp, draft) -> None:  # noqa: ANN001
+        """Prefill/decode disaggregation: this engine's side of the KV connector."""
+        from tokenmill.kv_transfer.connector import KVConnector
+
+        role = config.kv_transfer.kv_role
+        if tp is not None:
+            raise ValueError(f"--kv-role {role} with more than one rank (--tensor-parallel-size, "
+                             "--pipeline-parallel-size) is not built yet: the KV is sharded over the ranks")
+        if draft is not None:
+            raise ValueError(f"--kv-role {role} with a draft model is not built yet (the drafter's KV would have "
+                             "to travel too); use --speculative-method ngram or none")
+        cfg = self.model_config
+        layout = (f"{self.model_name}|{self.dtype}|{self.quantization}|kv {config.cache.kv_cache_dtype}|block "
+                  f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
+        self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
+        self.scheduler.recompute_failed_kv = config.kv_transfer.kv_load_failure_policy == "recompute"
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the in-process core has nothing else to stop)."""
+        """Stop the tensor-parallel workers and the KV connector, if any."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
 
     def start_loop(self) -> None:
         """The step loop's own bookkeeping (tests call it on a core assembled around a fake runner)."""
@@ -235,6 +261,7 @@ class EngineCore:
         self._busy = 0.0  # seconds spent in steps
         self._steps = 0
         self._num_added = 0  # sequences added since start (the front end matches its admissions to it)
+        self._idle = False  # the last step computed nothing (with transfers pending, the next one waits)
         # Fault injection for the failure tests: a step raises as a failing forward pass would.
         fault = os.environ.get(FAULT_ENV)
         self._fault_step = int(fault) if fault else None
@@ -320,25 +347,30 @@ class EngineCore:
         self._num_added += 1
         constraints = build_constraints(msg.params, self.tokenizer, self.model_config.vocab_size, self.grammars)
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
-                      msg.max_tokens, msg.priority, constraints=constraints, slo_tpot_ms=msg.slo_tpot_ms)
+                      msg.max_tokens, msg.priority, constraints=constraints, slo_tpot_ms=msg.slo_tpot_ms,
+                      kv_transfer=msg.kv_transfer)
         req.timings.arrival = msg.arrival_time
         self.scheduler.add_request(req)
         self._sent[msg.request_id] = 0
+        self._idle = False
 
     def abort(self, msg: AbortRequests) -> None:
         """End sequences now (their KV blocks are free when this returns)."""
         status = RequestStatus(msg.status)
+        self._idle = False
         for rid in msg.request_ids:
             self.scheduler.finish_request(rid, status)
             self._sent.pop(rid, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or KV transfers to see through (their blocks are freed by a step)."""
+        return self.scheduler.has_unfinished() or (self.kv_connector is not None and self.kv_connector.pending())
 
     def state(self) -> CoreState:
-        return CoreState(len(self.scheduler.running), len(self.scheduler.waiting), self.kv_cache.num_free_blocks,
-                         self.scheduler.num_preemptions, self._busy, num_added=self._num_added,
-                         forecast=self.scheduler.planner.forecast(self.scheduler))
+        s = self.scheduler
+        return CoreState(len(s.running), len(s.waiting), self.kv_cache.num_free_blocks, s.num_preemptions, self._busy,
+                         num_added=self._num_added, forecast=s.planner.forecast(s),
+                         num_waiting_for_kv=len(s.waiting_for_kv), num_kv_held=len(s.kv_sending))
 
     def request_progress(self) -> list[tuple[str, str, int]]:
         """(request id, status, tokens whose KV is computed) of every request in the scheduler."""
@@ -354,12 +386,37 @@ class EngineCore:
 
     # ---- the step --------------------------------------------------------------------
 
+    def _kv_transfers(self) -> tuple[list[CoreOutput], list]:
+        """Apply the transfers that ended: a producer's sent blocks are freed, a consumer's request runs (or
+        recomputes, or fails: then its output is returned)."""
+        outputs, records = [], []
+        if self._idle:  # nothing could run last step, and nothing new came: wait for a transfer to end
+            self.kv_connector.wait(KV_POLL_S)
+        for kind, rid, error, record in self.kv_connector.poll():
+            records.append(record)
+            if kind == "sent":
+                if error:
+                    logger.warning("KV transfer: the blocks of %s were not sent: %s", rid, error)
+                self.scheduler.kv_send_done(rid)
+                continue
+            if error:
+                logger.warning("KV transfer: the KV of %s did not arrive (%s); %s", rid, error,
+                               "computing its prompt here" if self.scheduler.recompute_failed_kv else "failing it")
+            failed = self.scheduler.kv_recv_done(rid, error)
+            if failed is not None:
+                outputs.append(self._output(failed, ModelRunnerOutput({})))
+        return outputs, records
+
     def step(self) -> CoreStep:
+        kv_outputs, kv_records = self._kv_transfers() if self.kv_connector is not None else ([], [])
         start = time.perf_counter()
         self._steps += 1
         pc = self.kv_cache.stats
         queries, hits = pc.queries, pc.hits
         sched = self.scheduler.schedule()
+        for recv in sched.kv_recv:
+            self.kv_connector.start_receive(recv)
+        self._idle = sched.is_empty
         scheduled = time.perf_counter()
         planner = self.scheduler.planner
         shape = StepShape.of(sched) if sched.scheduled else None
@@ -370,7 +427,12 @@ class EngineCore:
         finished = self.scheduler.update_from_output(sched, result)
         requests = self.scheduler.requests
         updated = [requests[r] for r in result.sampled_token_ids if r in requests]
-        outputs = [self._output(req, result) for req in updated + finished]
+        outputs = kv_outputs + [self._output(req, result) for req in updated + finished]
+        if self.kv_connector is not None:  # held before the front end hears they finished
+            for send in self.scheduler.take_kv_sends():
+                self.kv_connector.offer(send)
+        if self._idle and self.kv_connector is not None and not outputs and not kv_records:
+            return CoreStep([], None, self.state())  # a poll for transfers: no step to report
         duration = time.perf_counter() - start
         self._busy += duration
         if shape is not None and planner.predicts:
@@ -389,6 +451,7 @@ class EngineCore:
             flops=step_flops(self.model_config, shape) if shape is not None else 0.0,
             bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
             expert_tokens=self._expert_tokens(),
+            kv_transfers=kv_records or None,
         )
         return CoreStep(outputs, stats, self.state())
 
@@ -405,6 +468,7 @@ class EngineCore:
                          req.num_preemptions)
         if req.is_finished:
             out.status, out.stop_reason, out.finished_time = req.status.value, req.stop_reason, req.timings.finished
+            out.error = req.error
             self._sent.pop(rid, None)
         else:
             self._sent[rid] = n

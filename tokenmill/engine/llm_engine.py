@@ -173,12 +173,17 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
-                    arrival_time: float | None = None, slo_tpot_ms: float | None = None) -> str:
+                    arrival_time: float | None = None, slo_tpot_ms: float | None = None,
+                    kv_transfer_params: dict | None = None) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit.
         ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it.
         ``slo_tpot_ms``: its own TPOT SLO, which steps are planned to meet while it runs (with a latency
-        target set on the engine; ignored otherwise)."""
+        target set on the engine; ignored otherwise). ``kv_transfer_params``: prefill/decode disaggregation
+        (kv_transfer/), {"do_remote_decode": true} on a producer, {"do_remote_prefill": true, "remote_host",
+        "remote_port", "remote_request_id"} (the producer's answer) on a consumer."""
         params = params or SamplingParams()
+        if kv_transfer_params is not None:
+            check_kv_transfer_params(kv_transfer_params, self.config.kv_transfer.kv_role, params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidParameter(f"priority must be an integer (lower runs first), got {priority!r}", "priority")
         if not isinstance(params, SamplingParams):
@@ -213,7 +218,7 @@ class LLMEngine:
         for r in children:
             r.timings.arrival = arrival
             self.core.add(AddRequest(r.request_id, ids, r.sampling_params, max_tokens, arrival, priority,
-                                     slo_tpot_ms))
+                                     slo_tpot_ms, kv_transfer_params))
             self._sequences[r.request_id] = r
             self.num_sent += 1
         self._added_since_state += len(children)
@@ -226,7 +231,11 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._sequences)
+        """Sequences to run, or KV transfers the core still has to see through (disaggregation: a producer's
+        blocks wait for a consumer; stepping applies their end, and a core in its own process reports it)."""
+        if self._remote:
+            return bool(self._sequences) or self._state.num_kv_held > 0
+        return bool(self._sequences) or self.core.has_unfinished()
 
     def _end(self, child_ids: list[str], status: RequestStatus) -> None:
         """End sequences on both sides: here at once, in the core with the next message."""
@@ -325,6 +334,27 @@ class LLMEngine:
         """Next-token logits after each prefix of ``token_ids`` ([len - 1, vocab] float32 on the CPU;
         row i follows token_ids[: i + 1]), from one prefill as in score()."""
         return self._local_core("score()").prompt_logits(self.tokenize_prompt(list(token_ids)))
+
+
+def check_kv_transfer_params(kv: dict, role: str | None, params: SamplingParams) -> None:
+    """Refuse kv_transfer_params this engine cannot act on (InvalidParameter names the field)."""
+    if not isinstance(kv, dict):
+        raise InvalidParameter("kv_transfer_params must be an object", "kv_transfer_params")
+    if kv.get("do_remote_decode"):
+        if role != "producer":
+            raise InvalidParameter("kv_transfer_params do_remote_decode needs a prefill instance: start this server "
+                                   "with --kv-role producer", "kv_transfer_params")
+        if params.max_tokens != 1 or params.n != 1:
+            raise InvalidParameter("a prefill for remote decode (kv_transfer_params do_remote_decode) must have "
+                                   "max_tokens 1 and n 1: the consumer generates the completion", "max_tokens")
+    if kv.get("do_remote_prefill"):
+        if role != "consumer":
+            raise InvalidParameter("kv_transfer_params do_remote_prefill needs a decode instance: start this "
+                                   "server with --kv-role consumer", "kv_transfer_params")
+        missing = [k for k in ("remote_host", "remote_port", "remote_request_id") if kv.get(k) in (None, "")]
+        if missing:
+            raise InvalidParameter(f"kv_transfer_params do_remote_prefill needs {', '.join(missing)} (the prefill "
+                                   "response's kv_transfer_params give them)", "kv_transfer_params")
 
 
 def _update(req: Request, out: CoreOutput) -> None:

@@ -22,6 +22,18 @@ from tokenmill.spec_decode.stats import SpecStepStats
 
 
 @dataclass(frozen=True)
+class KVTransferStats:
+    """One KV transfer of prefill/decode disaggregation that ended (kv_transfer/connector.py)."""
+
+    direction: str  # "send" (producer) | "recv" (consumer)
+    request_id: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # None: it succeeded
+
+
+@dataclass(frozen=True)
 class StepStats:
     """One engine step, for metrics and the simulator's calibration."""
 
@@ -53,6 +65,7 @@ class StepStats:
     bytes: float = 0.0
     # mixture of experts: tokens routed to each expert this step, per layer ([] for a dense layer)
     expert_tokens: list[list[int]] | None = None
+    kv_transfers: list[KVTransferStats] | None = None  # disaggregation: transfers that ended since the last step
 
 
 # ---- front end -> core ----------------------------------------------------------------
@@ -68,6 +81,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     arrival_time: float  # time.perf_counter (CLOCK_MONOTONIC: the same clock in both processes)
     priority: int = 0
     slo_tpot_ms: float | None = None  # its own TPOT SLO
+    kv_transfer: dict | None = None  # prefill/decode disaggregation: the request's kv_transfer_params
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -125,6 +139,8 @@ class CoreState(msgspec.Struct, omit_defaults=True):
     num_added: int = 0  # sequences the core has added since it started (the forecast includes them)
     # after ReportRequests: (request id, RequestStatus value, tokens whose KV is computed) of each request
     requests: list[tuple[str, str, int]] | None = None
+    num_waiting_for_kv: int = 0  # disaggregation: consumer requests whose KV is arriving
+    num_kv_held: int = 0  # producer requests whose blocks wait for a consumer
 
 
 class CoreStep(msgspec.Struct, tag="step", omit_defaults=True):
@@ -151,6 +167,7 @@ class CoreInfo:
     device: str = "cpu"  # the torch device the model runs on
     device_uuid: str | None = None  # a GPU's UUID (NVML finds it by that)
     roofline: Roofline | None = None  # the device's peak FLOP/s and bandwidth
+    kv_address: list | None = None  # a producer's (host, port) where consumers pull KV
 
 
 def plain_info(info: CoreInfo) -> CoreInfo:

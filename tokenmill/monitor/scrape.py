@@ -40,6 +40,13 @@ COUNTERS = {
     "bytes": ("tokenmill:model_bytes_total",),
     "engine_cpu_seconds": ("tokenmill:engine_cpu_seconds_total",),
     "engine_busy": ("tokenmill:engine_busy_seconds_total",),
+    # tokenmill's router (prefill/decode disaggregation): the legs' and the KV pulls' time and number
+    "router_prefill_s": ("tokenmill:router_prefill_seconds_sum",),
+    "router_prefills": ("tokenmill:router_prefill_seconds_count",),
+    "router_decode_first_s": ("tokenmill:router_decode_first_byte_seconds_sum",),
+    "router_decodes": ("tokenmill:router_decode_first_byte_seconds_count",),
+    "router_kv_transfer_s": ("tokenmill:router_kv_transfer_time_seconds",),
+    "router_kv_transfers": ("tokenmill:router_kv_transfers",),
 }
 HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds",),
@@ -108,6 +115,11 @@ class Scrape:
     def is_inference_server(self) -> bool:
         """Whether it exports the request gauges every vLLM-named server has."""
         return "vllm:num_requests_running" in self.values
+
+    @property
+    def is_router(self) -> bool:
+        """Whether it is tokenmill's prefill/decode router (kv_transfer/router.py)."""
+        return "tokenmill:router_prefill_seconds_count" in self.values
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:

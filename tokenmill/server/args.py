@@ -68,3 +68,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log level (default info)")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``tokenmill router`` (kv_transfer/router.py)."""
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (`tokenmill serve --kv-role producer`), e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances (`tokenmill serve --kv-role consumer`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require this bearer key from clients and send it to the instances (default: "
+                        "$TOKENMILL_API_KEY; unset = no auth)")
+    p.add_argument("--poll-interval", type=float, default=1.0,
+                   help="seconds between reads of every instance's /metrics for balancing (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a leg may take (default 600)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])

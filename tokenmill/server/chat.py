@@ -145,9 +145,11 @@ class ChatMixin:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         self.check_context(ids, max_tokens, "messages", max_tokens_param)
         prep = _Prepared([ids], [""], params, max_tokens_param, "messages", structured_param=structured_param,
-                         tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser)
+                         tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser,
+                         kv_transfer_params=req.kv_transfer_params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms)
+        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
+                         stream=bool(req.stream))
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -169,7 +171,8 @@ class ChatMixin:
                             "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return json_response({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                              "choices": choices, "usage": _usage(len(ids), completion_tokens)})
+                              "choices": choices, "usage": _usage(len(ids), completion_tokens),
+                              **self.kv_transfer_response(prep, request_id)})
 
     def _tool_calls(self, prep: _Prepared, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output, by the request's tool_choice."""

@@ -65,16 +65,19 @@ class CompletionsMixin:
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
             self.check_context(ids, max_tokens, "prompt", "max_tokens")
             ids_list.append(ids)
-        prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt", structured_param=structured_param)
+        prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt", structured_param=structured_param,
+                         kv_transfer_params=req.kv_transfer_params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms)
+        await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
+                         stream=bool(req.stream))
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(self._completion_events(prep, request_id, created, model, bool(req.echo),
                                                        include_usage), lambda: _abort_all(prep.streams))
         finals = await _collect(prep.streams, raw)
-        return json_response(self._completion_body(prep, finals, request_id, created, model, bool(req.echo)))
+        return json_response({**self._completion_body(prep, finals, request_id, created, model, bool(req.echo)),
+                              **self.kv_transfer_response(prep, request_id)})
 
     def _completion_body(self, prep: _Prepared, finals: list[RequestOutput], request_id: str, created: int,
                          model: str, echo: bool) -> dict:

@@ -137,6 +137,25 @@ class ServerMetrics:
         self._expert_tokens = Counter("tokenmill:moe_expert_tokens", "Tokens the router sent to each expert "
                                       "(a token counts once in each of its top-k experts).",
                                       ["model_name", "layer", "expert"], registry=reg)
+        # prefill/decode disaggregation (zero unless --kv-role)
+        gauge("tokenmill:num_requests_waiting_for_kv", "Consumer: requests admitted with their blocks reserved, "
+              "waiting for their prompt's KV from a producer.", lambda: snapshot().num_waiting_for_kv)
+        gauge("tokenmill:num_requests_kv_held", "Producer: prefilled requests whose KV blocks wait for a consumer "
+              "to pull them.", lambda: snapshot().num_kv_held)
+        directions = ["model_name", "direction"]
+        self._kv_bytes = Counter("tokenmill:kv_transfer_bytes", "KV cache bytes sent (producer) or received "
+                                 "(consumer), layers x K and V (and scales) of whole blocks.", directions, registry=reg)
+        self._kv_blocks = Counter("tokenmill:kv_transfer_blocks", "KV blocks sent or received.", directions,
+                                  registry=reg)
+        self._kv_failures = Counter("tokenmill:kv_transfer_failures", "KV transfers that failed (a dead peer, a "
+                                    "refused pull, a timeout); the blocks went back to the pool.", directions,
+                                    registry=reg)
+        self._kv_seconds = Histogram("tokenmill:kv_transfer_seconds", "Time per request's KV transfer: the pull on "
+                                     "a consumer, the send on a producer.", directions, buckets=TTFT_BUCKETS,
+                                     registry=reg)
+        for d in ("send", "recv"):
+            for c in (self._kv_bytes, self._kv_blocks, self._kv_failures):
+                c.labels(model_name, d)
         self._expert_imbalance = Gauge("tokenmill:moe_load_imbalance", "Over the last step, the busiest expert's "
                                        "tokens over the mean per expert, in the most unbalanced layer (1 = even).",
                                        labels, registry=reg)
@@ -182,6 +201,13 @@ class ServerMetrics:
             self.spec_accepted.inc(spec.num_accepted_tokens)
             for pos, n in enumerate(spec.accepted_per_pos):
                 self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
+        for t in stats.kv_transfers or ():
+            if t.error is not None:
+                self._kv_failures.labels(self._model_name, t.direction).inc()
+                continue
+            self._kv_bytes.labels(self._model_name, t.direction).inc(t.num_bytes)
+            self._kv_blocks.labels(self._model_name, t.direction).inc(t.num_blocks)
+            self._kv_seconds.labels(self._model_name, t.direction).observe(t.seconds)
         if stats.expert_tokens:
             for layer, counts in enumerate(stats.expert_tokens):
                 for expert, n in enumerate(counts):

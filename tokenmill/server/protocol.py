@@ -104,6 +104,9 @@ class _SamplingFields(_Strict):
     slo_ttft_ms: float | None = Field(None, gt=0, description="shed with 503 if the first token cannot come in time")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time per output token the steps are planned to meet")
     user: str | None = None
+    # vLLM's prefill/decode disaggregation field: {"do_remote_decode": true} to a producer, its answer's
+    # kv_transfer_params (with "do_remote_prefill": true) to a consumer; the router sends both
+    kv_transfer_params: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(None, ge=1)
     # vLLM's extensions: token constraints, prompt logprobs and structured outputs (old and new spelling)

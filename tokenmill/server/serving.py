@@ -71,6 +71,7 @@ class _Prepared:
     structured_param: str | None = None  # the field a structured-output constraint came from
     tool_choice: object = None  # chat: "auto" (parse calls), "required", a function name, or None
     tool_parser: str = "hermes"
+    kv_transfer_params: dict | None = None  # prefill/decode disaggregation: what the router sent
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -225,13 +226,22 @@ class ServingBase:
                               f"{max_tokens_param} to at most {ctx - n}", max_tokens_param, "context_length_exceeded")
 
     async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float,
-                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> None:
+                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, stream: bool = False) -> None:
         """Queue every prompt (all in the same engine pause); on any failure abort what was queued and
         raise an OpenAIError."""
         one = len(prep.prompt_ids) == 1
+        kv = {}
+        if prep.kv_transfer_params is not None:
+            if not one or prep.params.n != 1:
+                raise bad_request("kv_transfer_params (prefill/decode disaggregation) takes one prompt and n 1",
+                                  "kv_transfer_params")
+            if stream and isinstance(prep.kv_transfer_params, dict) and prep.kv_transfer_params.get("do_remote_decode"):
+                raise bad_request("a prefill for remote decode answers with kv_transfer_params in its body: send "
+                                  "it with stream false", "stream")
+            kv["kv_transfer_params"] = prep.kv_transfer_params
         adds = [asyncio.ensure_future(self.engine.add_request(
             ids, prep.params, request_id if one else f"{request_id}-{i}", priority, add_special_tokens=False,
-            arrival_time=arrival, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms))
+            arrival_time=arrival, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, **kv))
             for i, ids in enumerate(prep.prompt_ids)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
@@ -264,3 +274,14 @@ class ServingBase:
                      "structured_outputs": prep.structured_param}.get(param, param)
             return bad_request(str(e), param)
         return e
+
+    def kv_transfer_response(self, prep: _Prepared, request_id: str) -> dict:
+        """A producer's answer to a prefill for remote decode: where the consumer pulls the KV from (vLLM's
+        response field); {} for any other request."""
+        kv = prep.kv_transfer_params
+        address = self.engine.engine.info.kv_address
+        if not kv or not kv.get("do_remote_decode") or address is None:
+            return {}
+        return {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": address[0],
+                                       "remote_port": address[1], "remote_request_id": request_id,
+                                       "num_prompt_tokens": len(prep.prompt_ids[0])}}

@@ -1,11 +1,13 @@
 """``tokenmill simulate``: what serving costs and how many users given hardware supports, answered by
 the real scheduler (``core/``: Scheduler, KVCacheManager) driven by a clock that a cost model advances.
 
-- ``hardware.py``: datasheet profiles (peak FLOP/s, memory bandwidth and size, interconnect).
+- ``hardware.py``: datasheet profiles (peak FLOP/s, memory bandwidth and size, interconnect, the NIC
+  between nodes).
 - ``cost.py``: step-time models behind one interface: a roofline from the model config and a profile,
   and a calibrated model fitted to step times measured on this machine (``tokenmill profile``).
 - ``spec.py``: speculative decoding: the drafter the real scheduler drives, and the acceptance model.
-- ``simulator.py``: the discrete-event loop; it emits the benchmark's own per-request results, so
+- ``simulator.py``: the discrete-event loop, over one engine or, disaggregated, prefill and decode
+  instances with the KV transfer between them; it emits the benchmark's own per-request results, so
   ``tokenmill bench``'s metrics, reports and plots come out of it unchanged.
 - ``cli.py``: ``tokenmill simulate`` and ``tokenmill profile``.
 """

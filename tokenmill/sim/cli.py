@@ -57,6 +57,24 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-weight-dtype", default=None,
                    help="the draft model's weight bytes, as --weight-dtype (default: --weight-dtype); with "
                         "--profile the ratio of the two prices a draft pass")
+    g = p.add_argument_group(
+        "prefill/decode disaggregation", "prompts computed on producer instances, their KV shipped over the "
+        "network, decoded on other instances; each instance is one replica of the configuration above "
+        "(its devices, KV pool and scheduling flags)")
+    g.add_argument("--disaggregated", default=None, metavar="P:D",
+                   help="P prefill (producer) and D decode instances, e.g. 1:1 or 2:1, driven as the router "
+                        "drives them: a request is prefilled on the least loaded producer, which holds its KV; "
+                        "it queues at the least loaded decode instance until that has room, which then pulls "
+                        "the KV of its prompt but the last token (recomputed there) over the KV link; TTFT = "
+                        "prefill queue + prefill + decode queue + transfer + first step (default: one instance "
+                        "does both)")
+    g.add_argument("--kv-link-gbps", type=float, default=None, metavar="GBPS",
+                   help="the network between instances, Gb/s per device and direction, e.g. 400 (InfiniBand "
+                        "NDR) or 100 (Ethernet); a tensor or pipeline parallel instance ships its shards over "
+                        "all its devices' links (default: --hardware's NIC, e.g. h100: 400; needed with "
+                        "--profile)")
+    g.add_argument("--kv-link-latency-us", type=float, default=None, metavar="US",
+                   help="microseconds added to each transfer (default: --hardware's, 5)")
     g = p.add_argument_group("load and SLOs")
     g.add_argument("--request-rate", type=float, default=None,
                    help="simulate this rate only; without it, --slo searches for the highest rate meeting them")
@@ -109,6 +127,7 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     from tokenmill.sim.spec import DEFAULT_ACCEPTANCE, SpecDecoding
 
     cfg, name = model_config(a.model)
+    hw = None  # a calibrated profile has no datasheet
     max_len = a.max_model_len or cfg.max_position_embeddings
     if (a.hardware is None) == (a.profile is None):
         raise ValueError("give one of --hardware (a datasheet roofline) or --profile (a `tokenmill profile` file)")
@@ -117,6 +136,7 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     if a.profile is not None:
         cost = CalibratedCost.load(a.profile)
         kv_token = cost.meta.get("kv_bytes_per_token") or kv_bytes_per_token(cfg, "fp32")
+        transfer_token = kv_token  # what a request ships when disaggregated (a draft model catches up itself)
         pool = cost.meta.get("kv_cache_bytes", 2**30)
         what = f"{name} on this machine (calibrated: {a.profile})"
         budget = 256
@@ -130,7 +150,7 @@ def build(a: argparse.Namespace):  # noqa: ANN201
         devices = a.tensor_parallel_size * a.pipeline_parallel_size
         cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size,
                             pipeline_parallel_size=a.pipeline_parallel_size, micro_batches=a.pipeline_micro_batches)
-        kv_token = cost.kv_token_bytes
+        kv_token = transfer_token = cost.kv_token_bytes
         pool = 0.9 * hw.memory_bytes * devices - cost.weight_bytes
         if draft_cfg is not None:  # its own roofline; its KV rides on the target's blocks, as in the engine
             drafter = RooflineCost(draft_cfg, hw, a.speculative_weight_dtype or a.weight_dtype, a.kv_dtype,
@@ -169,9 +189,47 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     sched = SchedulerConfig(max_num_seqs=a.max_num_seqs,
                             max_num_batched_tokens=a.max_num_batched_tokens or (None if plans else budget),
                             enable_chunked_prefill=a.enable_chunked_prefill, **targets)
+    dis = disaggregation(a, hw, transfer_token)
+    if dis is not None:
+        what += (f"; disaggregated {dis.prefill}:{dis.decode} (prefill:decode instances), "
+                 f"{transfer_token:.0f} B of KV a token over an instance's {dis.link_bandwidth * 8 / 1e9:g} Gb/s "
+                 f"link + {dis.link_latency * 1e6:g} us a transfer")
     sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True,
-                    spec=spec)
+                    spec=spec, disaggregation=dis)
     return cost, sim, what, kv_token
+
+
+def disaggregation(a: argparse.Namespace, hw, kv_token: float):  # noqa: ANN001, ANN201
+    """The Disaggregation of --disaggregated P:D and the KV link flags, or None without them. The link is
+    the hardware profile's NIC (or --kv-link-gbps) times the devices of an instance: each ships its shard."""
+    from tokenmill.sim.simulator import Disaggregation
+
+    if a.disaggregated is None:
+        if a.kv_link_gbps is not None or a.kv_link_latency_us is not None:
+            raise ValueError("--kv-link-gbps and --kv-link-latency-us price the KV transfer of --disaggregated "
+                             "P:D; pass it too")
+        return None
+    try:
+        p, d = (int(v) for v in a.disaggregated.split(":"))
+    except ValueError:
+        raise ValueError(f"--disaggregated takes P:D, prefill and decode instances, e.g. 1:1; got "
+                         f"{a.disaggregated!r}") from None
+    if a.kv_link_gbps is not None:
+        if not a.kv_link_gbps > 0:
+            raise ValueError(f"--kv-link-gbps must be positive, got {a.kv_link_gbps:g}")
+        per_device = a.kv_link_gbps * 1e9 / 8
+    elif hw is not None and hw.kv_link_bandwidth > 0:
+        per_device = hw.kv_link_bandwidth
+    else:
+        raise ValueError("--disaggregated needs the network between instances: pass --kv-link-gbps (e.g. 400 "
+                         "for InfiniBand NDR, 100 for Ethernet)" + ("" if hw is None else f"; {hw.name}'s "
+                                                                      "profile has no kv_link_bandwidth"))
+    latency = (a.kv_link_latency_us * 1e-6 if a.kv_link_latency_us is not None else
+               hw.kv_link_latency if hw is not None else 0.0)
+    if latency < 0:
+        raise ValueError(f"--kv-link-latency-us cannot be negative, got {a.kv_link_latency_us:g}")
+    devices = a.tensor_parallel_size * a.pipeline_parallel_size if hw is not None else 1
+    return Disaggregation(p, d, kv_token, per_device * devices, latency)
 
 
 def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN201
@@ -284,9 +342,12 @@ def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  #
         users = run.load.request_rate * (a.think_time + mean_latency)
         lines.append(f"users supported: {users:.0f} (at {run.load.request_rate:.3g} req/s, a {a.think_time:g} s "
                      f"think time and {mean_latency:.2f} s mean latency)")
-    lines.append(f"batch: mean {sum(running) / len(running):.1f}, max {max(running)} running requests; "
-                 f"KV memory: peak {peak_blocks * out.block_size * kv_token / 2**30:.2f} GiB of "
-                 f"{out.num_blocks * out.block_size * kv_token / 2**30:.2f} GiB; preemptions {out.num_preemptions}")
+    if out.transfers is None:
+        lines.append(f"batch: mean {sum(running) / len(running):.1f}, max {max(running)} running requests; "
+                     f"KV memory: peak {peak_blocks * out.block_size * kv_token / 2**30:.2f} GiB of "
+                     f"{out.num_blocks * out.block_size * kv_token / 2**30:.2f} GiB; preemptions {out.num_preemptions}")
+    else:
+        lines.extend(disaggregation_lines(run, out, kv_token))
     parts: dict[str, float] = {}
     for s in out.steps:
         for k, v in (s.breakdown or {}).items():
@@ -315,6 +376,37 @@ def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  #
                      f"{sp['spec_mean_acceptance_length']:.2f} tokens a drafted step; the draft model's passes "
                      f"{100 * drafting / busy:.0f}% of step time")
     return "\n".join(lines)
+
+
+def disaggregation_lines(run, out, kv_token: float) -> list[str]:  # noqa: ANN001
+    """Where a disaggregated request's time to its first token went (means and p99 over those whose KV
+    was shipped), and each kind of instance's batch and KV pool."""
+    import numpy as np
+
+    tr = out.transfers
+    res = {r.index: r for r in run.results}
+
+    def ms(values) -> str:  # noqa: ANN001
+        v = 1e3 * np.asarray(values, dtype=float)
+        return f"mean {v.mean():.2f} ms, p99 {np.percentile(v, 99):.2f} ms" if len(v) else "none"
+
+    first = [res[t.index].ttft_s + t.arrival - t.end for t in tr if res[t.index].success]
+    p, d = out.roles.count("prefill"), out.roles.count("decode")
+    mb = np.mean([t.bytes for t in tr] or [0]) / 1e6
+    lines = [f"disaggregated {p}:{d}: KV shipped for {len(tr)} request{'' if len(tr) == 1 else 's'}, mean {mb:.1f} "
+             f"MB each; prefill (queue + compute) {ms([t.prefilled - t.arrival for t in tr])}; queued for a decode "
+             f"instance {ms([t.admitted - t.prefilled for t in tr])}; waiting for a link "
+             f"{ms([t.start - t.admitted for t in tr])}; transfer {ms([t.end - t.start for t in tr])}; from its "
+             f"end to the first token {ms(first)}"]
+    for role in ("prefill", "decode"):
+        steps = [s for s in out.steps if out.roles[s.instance] == role]
+        running = [s.num_running for s in steps] or [0]
+        peak = max((s.kv_blocks_used for s in steps), default=0)
+        lines.append(f"{role} instances: batch mean {sum(running) / len(running):.1f}, max {max(running)} running "
+                     f"requests; KV memory: peak {peak * out.block_size * kv_token / 2**30:.2f} GiB of "
+                     f"{out.num_blocks * out.block_size * kv_token / 2**30:.2f} GiB an instance")
+    lines[-1] += f"; preemptions {out.num_preemptions}"
+    return lines
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:

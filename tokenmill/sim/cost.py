@@ -33,6 +33,14 @@ Speculative decoding, k drafts per decoding request, each accepted i.i.d. with p
   E = 1 + A + ... + A^k = (1 - A^(k+1)) / (1 - A) (Leviathan et al. 2023, eq. 1), k + 1 at A = 1;
 - the off rule (spec_decode/policy.py) prices d drafts from the target's and the drafter's step times
   over n tokens of one request at position 0 (``probe_shape``), as the engine times them at startup.
+
+Prefill/decode disaggregation (sim/simulator.py ``Disaggregation``): a producer instance computes a prompt
+of n tokens and ships the KV of tokens 0..n-2 to a decode instance, which recomputes token n-1 itself and
+samples the first output from it (vLLM's NIXL connector does the same): n - 1 tokens (less any prefix the
+consumer holds) of ``kv_bytes_per_token`` each, L x 2 x G x h x element bytes, plus 2 L G x 4 bytes of
+float32 scales for an int8/fp8 cache. The transfer takes bytes / bandwidth + latency over the link between
+the two nodes (the hardware profile's ``kv_link_bandwidth``: a device's NIC; each device of a tensor or
+pipeline parallel instance ships its shard over its own, so an instance's link is the devices' sum).
 """
 
 from __future__ import annotations
@@ -61,8 +69,17 @@ def layer_params(cfg: ModelConfig, active: bool = True) -> int:
     return 2 * d * q + 2 * d * kv + mlp
 
 
+SCALED_KV_DTYPES = ("int8", "fp8")  # the engine's quantized KV caches (worker/model_runner.py KV_STORAGE)
+KV_SCALE_BYTES = 4  # their float32 scale per token, KV head, layer, for K and for V
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> float:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    """Bytes of K and V of one token over all layers, as the engine lays them out (model_runner.py
+    ``allocate_kv_cache``): L x 2 x G x h elements, and for an int8/fp8 cache one float32 scale per token
+    and KV head for K and for V in every layer (scale tensors of [num_blocks, block_size, G] float32):
+    2 L G (h x element bytes + 4)."""
+    scale = KV_SCALE_BYTES if kv_dtype in SCALED_KV_DTYPES else 0
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * DTYPE_BYTES[kv_dtype] + scale)
 
 
 def step_flops(cfg: ModelConfig, s: StepShape) -> float:
@@ -160,6 +177,27 @@ class ScaledCost:
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         return {k: self.scale * v for k, v in self.inner.breakdown(s).items()}
+
+
+# ---- prefill/decode disaggregation ------------------------------------------------------------------
+
+def kv_transfer_tokens(prompt_len: int, cached: int = 0) -> int:
+    """Prompt tokens whose KV a producer ships: 0..n-2 of an n-token prompt (the consumer recomputes the
+    last one to sample the first output token), less the ``cached`` prefix the consumer already holds."""
+    return max(prompt_len - 1 - cached, 0)
+
+
+def kv_transfer_bytes(cfg: ModelConfig, prompt_len: int, kv_dtype: str = "bf16", cached: int = 0) -> float:
+    """Bytes of KV (and int8/fp8 scales) a request of ``prompt_len`` prompt tokens ships from the producer
+    to the decode instance."""
+    return kv_transfer_tokens(prompt_len, cached) * kv_bytes_per_token(cfg, kv_dtype)
+
+
+def kv_transfer_seconds(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """One transfer over a link of ``bandwidth`` bytes/s that it has to itself: bytes / bandwidth + latency."""
+    if not bandwidth > 0:
+        raise ValueError(f"a KV link needs a positive bandwidth, got {bandwidth} bytes/s")
+    return nbytes / bandwidth + latency
 
 
 # ---- speculative decoding ----------------------------------------------------------------------------

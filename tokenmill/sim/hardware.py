@@ -1,5 +1,7 @@
 """Hardware profiles for the roofline cost model: dense peak FLOP/s per dtype, memory bandwidth and size,
-and the interconnect between devices. Datasheet figures, without sparsity; each names its source."""
+the interconnect between devices of a node (NVLink, PCIe: tensor and pipeline parallelism) and the network
+link between nodes (a device's NIC: prefill/decode disaggregation ships KV over it). Datasheet figures,
+without sparsity; each names its source."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ class HardwareProfile:
     memory_bytes: float
     interconnect_bandwidth: float = 0.0  # bytes/s per device, one direction (NVLink, PCIe)
     interconnect_latency: float = 5e-6  # s per collective step
+    # the network between nodes, per device, one direction: the NIC a device's KV leaves or arrives by
+    # (InfiniBand, RoCE, Ethernet); the instances of a disaggregated deployment sit on different nodes
+    kv_link_bandwidth: float = 0.0  # bytes/s
+    kv_link_latency: float = 5e-6  # s per transfer (assumed: a few microseconds for an RDMA write; the
+    # connector's own handshake and completion notice are not modelled)
     source: str = ""
     # fractions of peak a real kernel reaches; 1.0 = the pure roofline (the datasheet profiles keep it)
     flops_efficiency: float = 1.0
@@ -30,25 +37,31 @@ class HardwareProfile:
 
 
 T, G = 1e12, 1e9
+GBIT = 1e9 / 8  # bytes/s of 1 Gb/s
 KNOWN: dict[str, HardwareProfile] = {
     "a100": HardwareProfile("A100 80GB SXM", {"bf16": 312 * T, "fp16": 312 * T, "int8": 624 * T, "fp32": 19.5 * T},
-                            2039 * G, 80 * G, 300 * G,
+                            2039 * G, 80 * G, 300 * G, kv_link_bandwidth=200 * GBIT,
                             source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 2,039 GB/s HBM2e, NVLink 600 GB/s "
-                                   "bidirectional)"),
+                                   "bidirectional); DGX A100 datasheet (8 single-port ConnectX-6 VPI, 200 Gb/s HDR "
+                                   "InfiniBand: one per GPU)"),
     "h100": HardwareProfile("H100 SXM", {"bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T, "int8": 1978.9 * T,
                                          "fp32": 67 * T},
-                            3350 * G, 80 * G, 450 * G,
+                            3350 * G, 80 * G, 450 * G, kv_link_bandwidth=400 * GBIT,
                             source="NVIDIA H100 Tensor Core GPU datasheet (SXM: 3.35 TB/s HBM3, NVLink 900 GB/s "
-                                   "bidirectional; dense figures, half the sparse ones)"),
+                                   "bidirectional; dense figures, half the sparse ones); DGX H100 (DGX BasePOD "
+                                   "reference architecture: 8 single-port ConnectX-7 VPI, 400 Gb/s NDR InfiniBand: "
+                                   "one per GPU)"),
     "h200": HardwareProfile("H200 SXM", {"bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T, "int8": 1978.9 * T,
                                          "fp32": 67 * T},
-                            4800 * G, 141 * G, 450 * G,
+                            4800 * G, 141 * G, 450 * G, kv_link_bandwidth=400 * GBIT,
                             source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e at 4.8 TB/s, NVLink "
-                                   "900 GB/s bidirectional)"),
+                                   "900 GB/s bidirectional); DGX H200 (as DGX H100: 8 ConnectX-7, 400 Gb/s NDR "
+                                   "InfiniBand, one per GPU)"),
     "l4": HardwareProfile("L4", {"bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T, "int8": 242.5 * T, "fp32": 30.3 * T},
-                          300 * G, 24 * G, 32 * G,
+                          300 * G, 24 * G, 32 * G, kv_link_bandwidth=100 * GBIT,
                           source="NVIDIA L4 Tensor Core GPU datasheet (24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 64 GB/s "
-                                 "bidirectional; dense figures)"),
+                                 "bidirectional; dense figures); no reference system: 100 Gb/s Ethernet between "
+                                 "nodes assumed"),
 }
 
 
