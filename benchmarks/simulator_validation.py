@@ -5,8 +5,14 @@
     python benchmarks/simulator_validation.py --profile profile.json \\
         --trace ../shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv
 
-The profile's grid is synthetic (decode batches, prefill chunks, mixed steps), so none of these workloads
-is in the fitting data. The server runs with the profile's KV pool (--kv-cache-memory 2GiB).
+Both sides schedule alike: the server plans its steps to the same 100 ms ITL target on the same step-cost
+model (`--step-cost-profile`), the simulation runs that planner on the profile. The profile's grid is
+synthetic (decode batches, prefill chunks, mixed steps) and timed on an idle engine; serving, the steps run
+slower (the HTTP front end, detokenization, streaming and the benchmark client share the cores). That
+factor is fitted on one workload (``--calibrate-on``, default the first: its simulated median TPOT made
+equal to the real one, as `--step-time-scale`) and every other workload is predicted with it: held out.
+The server runs with the profile's KV pool (--kv-cache-memory 2GiB). ``--results-dir`` keeps each real
+run's result and reuses it.
 """
 
 from __future__ import annotations
@@ -52,10 +58,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True)
     ap.add_argument("--trace", default=None, help="an Azure LLM trace CSV (the conversation one)")
+    ap.add_argument("--calibrate-on", type=int, default=0,
+                    help="the workload (index) the serving step-time scale is fitted on; -1: none (scale 1)")
+    ap.add_argument("--results-dir", default=None, help="keep the real runs' results here, and reuse them")
+    ap.add_argument("--warmup", type=int, default=40, help="requests run first, not recorded (default 40)")
+    ap.add_argument("--itl-target-ms", type=float, default=100.0,
+                    help="the ITL target both sides plan to (0: the fixed token budget)")
     args = ap.parse_args()
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port),
-                               "--kv-cache-memory", "2GiB", "--disable-log-requests", "--disable-log-stats"],
+                               "--kv-cache-memory", "2GiB", "--disable-log-requests", "--disable-log-stats",
+                               "--step-cost-profile", args.profile, "--itl-target-ms", str(args.itl_target_ms)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -66,20 +79,39 @@ def main() -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        rows = []
-        for name, flags in workloads(args.trace):
-            with tempfile.TemporaryDirectory() as d:
-                out = Path(d) / "r.json"
-                tokenmill(["bench", "serve", "--base-url", url, "--model", "smollm2-135m-instruct", "--save-result",
-                           str(out), "--no-progress", *flags])
-                real = json.loads(out.read_text())
-            from tokenmill.sim.cli import build, run_at, workload
+        from tokenmill.sim.cli import build, run_at, workload
 
-            ns = build_parser().parse_args(["simulate", "--profile", args.profile, "--duration", "0", *flags])
+        def simulate(flags: list[str], scale: float) -> dict:
+            ns = build_parser().parse_args(["simulate", "--profile", args.profile, "--duration", "0",
+                                            "--itl-target-ms", str(args.itl_target_ms), "--step-time-scale",
+                                            str(scale), *flags])
             _, sim, _, _ = build(ns)
             run, _ = run_at(sim, workload(ns), ns.request_rate, ns, {})
-            rows.append((name, real, run.metrics))
+            return run.metrics
+
+        # each workload its own prompts (a seed each): the same prompts again would hit the server's prefix
+        # cache from the workload before, which the simulation (a fresh cache each run) does not have
+        loads = [(name, [*flags, "--seed", str(i)]) for i, (name, flags) in enumerate(workloads(args.trace))]
+        # a warm server (its first requests pay for first-touched KV pages and cold caches), not recorded
+        tokenmill(["bench", "serve", "--base-url", url, "--model", "smollm2-135m-instruct", "--no-progress",
+                   "--dataset", "random", "--input-len", "128", "--output-len", "64", "--num-prompts",
+                   str(args.warmup), "--request-rate", "4", "--seed", "99"])
+        reals = []
+        for i, (name, flags) in enumerate(loads):
+            with tempfile.TemporaryDirectory() as d:
+                out = Path(args.results_dir or d) / f"real-{i}.json"
+                if not out.exists():
+                    tokenmill(["bench", "serve", "--base-url", url, "--model", "smollm2-135m-instruct",
+                               "--save-result", str(out), "--no-progress", *flags])
+                reals.append(json.loads(out.read_text()))
             print(f"done: {name}", file=sys.stderr, flush=True)
+        scale, fit = 1.0, args.calibrate_on
+        if fit >= 0:  # one scalar, fitted where the median TPOT is step time and little else
+            for _ in range(3):  # a few fixed-point rounds: a slower step also changes the batches a little
+                scale *= reals[fit]["median_tpot_ms"] / simulate(loads[fit][1], scale)["median_tpot_ms"]
+            print(f"serving step-time scale fitted on {loads[fit][0]!r}: {scale:.3f}", flush=True)
+        rows = [(name + (" (fitted)" if i == fit else ""), real, simulate(flags, scale))
+                for i, ((name, flags), real) in enumerate(zip(loads, reals))]
     finally:
         server.terminate()
         server.wait(60)
