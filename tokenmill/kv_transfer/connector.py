@@ -67,6 +67,18 @@ class _Offer:
     busy: bool = False
 
 
+class _Staging:
+    """A host byte buffer that grows to the largest transfer and is reused (one per connection)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buf[:nbytes]
+
+
 @dataclass
 class _Channel:
     """A consumer's connection to one producer (pulls on it take turns)."""
@@ -75,6 +87,7 @@ class _Channel:
     group: object = None  # the torch transport's two-rank process group
     store: object = None
     lock: threading.Lock = None
+    staging: _Staging = None
 
 
 class KVConnector:
@@ -171,15 +184,24 @@ class KVConnector:
 
     # ---- the payload ---------------------------------------------------------------------
 
-    def _gather(self, block_ids: list[int]) -> tuple[torch.Tensor, list]:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
-        parts, specs = [], []
-        for layer in self.kv_caches:
-            for t in layer:
-                part = t.index_select(0, idx)
-                specs.append([str(t.dtype).removeprefix("torch."), list(part.shape)])
-                parts.append(part.reshape(-1).view(torch.uint8).cpu())
-        return torch.cat(parts), specs
+    def _gather(self, block_ids: list[int], staging: _Staging) -> tuple[torch.Tensor, list]:
+        """The blocks of every layer's tensors, one after another in one flat host buffer (reused: a fresh
+        one would page-fault its way through tens of MB on every transfer)."""
+        tensors = [t for layer in self.kv_caches for t in layer]
+        sizes = [t[0].numel() * t.element_size() * len(block_ids) for t in tensors]
+        flat = staging.get(sum(sizes))
+        idx = torch.tensor(block_ids, dtype=torch.long, device=tensors[0].device)
+        specs, offset = [], 0
+        for t, n in zip(tensors, sizes):
+            shape = [len(block_ids), *t.shape[1:]]
+            specs.append([str(t.dtype).removeprefix("torch."), shape])
+            out = flat[offset:offset + n].view(t.dtype).view(shape)
+            if t.device.type == "cpu":
+                torch.index_select(t, 0, idx, out=out)  # straight into the buffer: one copy
+            else:
+                out.copy_(t.index_select(0, idx))
+            offset += n
+        return flat, specs
 
     def _scatter(self, block_ids: list[int], flat: torch.Tensor, specs: list) -> None:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0][0].device)
@@ -209,7 +231,7 @@ class KVConnector:
             threading.Thread(target=self._serve, args=(sock,), name="kv-send", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        group = None
+        group, staging = None, _Staging()
         with sock:
             sock.settimeout(self.timeout)
             try:
@@ -221,7 +243,7 @@ class KVConnector:
                     if msg.get("op") == "hello":
                         group = self._hello(sock, msg)
                     elif msg.get("op") == "pull":
-                        self._send(sock, msg, group)
+                        self._send(sock, msg, group, staging)
                     else:
                         send_header(sock, {"ok": False, "error": f"unknown operation {msg.get('op')!r}"})
             except (OSError, ConnectionError, RuntimeError) as e:
@@ -244,7 +266,7 @@ class KVConnector:
         send_header(sock, {"ok": True, "store_port": self._store.port, "pair": pair})
         return _pair_group(self._store, pair, 0, self.timeout)
 
-    def _send(self, sock: socket.socket, msg: dict, group) -> None:  # noqa: ANN001
+    def _send(self, sock: socket.socket, msg: dict, group, staging: _Staging) -> None:  # noqa: ANN001
         rid = str(msg.get("request_id"))
         with self._lock:
             offer = self._offers.get(rid)
@@ -259,7 +281,7 @@ class KVConnector:
         blocks = offer.block_ids[first:cdiv(num_tokens, self.block_size)]
         nbytes, error = 0, None
         try:
-            flat, specs = self._gather(blocks)
+            flat, specs = self._gather(blocks, staging)
             nbytes = flat.numel()
             send_header(sock, {"ok": True, "tensors": specs, "nbytes": nbytes, "num_blocks": len(blocks)})
             if group is not None:
@@ -286,7 +308,7 @@ class KVConnector:
         with self._lock:
             ch = self._channels.get(key)
             if ch is None:
-                ch = self._channels[key] = _Channel(None, lock=threading.Lock())
+                ch = self._channels[key] = _Channel(None, lock=threading.Lock(), staging=_Staging())
         return ch
 
     def _connect(self, ch: _Channel, host: str, port: int) -> None:
@@ -351,7 +373,7 @@ class KVConnector:
             raise _Refused(head.get("error", "the producer refused the pull"))
         if head["num_blocks"] != len(r.block_ids):
             raise KVTransferError(f"the producer sent {head['num_blocks']} blocks, {len(r.block_ids)} were asked for")
-        flat = torch.empty(int(head["nbytes"]), dtype=torch.uint8)
+        flat = ch.staging.get(int(head["nbytes"]))
         if ch.group is not None:
             ch.group.recv([flat], 0, 0).wait()
         else:
