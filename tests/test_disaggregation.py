@@ -533,3 +533,20 @@ def test_router_passes_client_errors_through_and_says_when_no_instance_answers(c
         assert httpx.get(lonely.url + "/health").status_code == 503
     finally:
         lonely.stop(30)
+
+
+def test_a_client_leaving_mid_stream_frees_the_consumers_blocks(cluster):
+    import httpx
+
+    servers, front = cluster
+    cons, prod = servers["consumer"].url, servers["producer"].url
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", front.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = r.iter_lines()
+        got = [next(chunks) for _ in range(6)]  # a few tokens streamed, then the client goes
+        assert any(line.startswith("data: {") for line in got)
+    _wait_for(lambda: _prom(cons, "vllm:num_requests_running") == 0 and _prom(cons, "vllm:kv_cache_usage_perc") == 0
+              and _prom(prod, "tokenmill:num_requests_kv_held") == 0)
+    assert _prom(cons, "vllm:request_success_total", finished_reason="abort") >= 1
+    servers["consumer"].engine.check_invariants()

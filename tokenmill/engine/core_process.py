@@ -284,6 +284,8 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
                 send(CoreStep([], None, state))
                 changed = False
         if core.has_unfinished():
-            send(core.step())
+            step = core.step()
+            if step.outputs or step.stats is not None or changed:  # not a bare poll for KV transfers
+                send(step)
         elif changed:
             send(CoreStep([], None, core.state()))
