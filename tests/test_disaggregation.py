@@ -129,7 +129,7 @@ def test_producer_holds_blocks_until_sent():
 # ---- the connector on toy caches ---------------------------------------------------------
 
 
-def _caches(num_blocks: int, quantized: bool = False, fill: bool = False):
+def _caches(num_blocks: int, quantized: str | None = None, fill: bool = False):
     g = torch.Generator().manual_seed(0)
     shape = (num_blocks, BS, 2, 8)
 
@@ -139,12 +139,14 @@ def _caches(num_blocks: int, quantized: bool = False, fill: bool = False):
         return (torch.randn(shp, generator=g) * 50).to(dtype)
 
     if quantized:
-        return [(t(torch.int8), t(torch.int8), t(torch.float32, shape[:3]), t(torch.float32, shape[:3]))
-                for _ in range(3)]
+        from tokenmill.worker.model_runner import KV_STORAGE
+
+        store = KV_STORAGE[quantized]  # as the engine keeps them (fp8: its e4m3 bits in uint8)
+        return [(t(store), t(store), t(torch.float32, shape[:3]), t(torch.float32, shape[:3])) for _ in range(3)]
     return [(t(torch.float32), t(torch.float32)) for _ in range(3)]
 
 
-def _pair(transport: str, quantized: bool = False, timeout: float = 10.0):
+def _pair(transport: str, quantized: str | None = None, timeout: float = 10.0):
     prod = KVConnector(KVTransferConfig("producer", transport, kv_transfer_timeout=timeout),
                        _caches(8, quantized, fill=True), BS, "L")
     cons = KVConnector(KVTransferConfig("consumer", transport, kv_transfer_timeout=timeout), _caches(8, quantized),
@@ -161,7 +163,7 @@ def _events(conn: KVConnector, n: int = 1, timeout: float = 20.0) -> list:
     return got
 
 
-@pytest.mark.parametrize("transport,quantized", [("tcp", False), ("torch", False), ("tcp", True)])
+@pytest.mark.parametrize("transport,quantized", [("tcp", None), ("torch", None), ("tcp", "int8"), ("torch", "fp8")])
 def test_connector_moves_the_blocks_bit_for_bit(transport, quantized):
     prod, cons = _pair(transport, quantized)
     try:
@@ -550,3 +552,21 @@ def test_a_client_leaving_mid_stream_frees_the_consumers_blocks(cluster):
               and _prom(prod, "tokenmill:num_requests_kv_held") == 0)
     assert _prom(cons, "vllm:request_success_total", finished_reason="abort") >= 1
     servers["consumer"].engine.check_invariants()
+
+
+def test_the_router_picks_the_least_loaded_instance_and_round_robins_ties():
+    from tokenmill.kv_transfer.router import Router
+
+    r = Router(["http://a", "http://b", "http://c"], ["http://d"])
+    a, b, c = r.prefill
+    a.load, b.load, c.load = 3, 1, 1
+    b.inflight = 1  # the router's own requests count too: c is now the least loaded
+    assert r.pick(r.prefill, set()) is c
+    b.inflight = 0
+    picks = {r.pick(r.prefill, set()).url for _ in range(4)}
+    assert picks == {"http://b", "http://c"}  # equal load: taken in turn, never the busier a
+    c.up = False  # a down instance only when nothing else is left
+    assert r.pick(r.prefill, set()) is b and r.pick(r.prefill, {b}) is a and r.pick(r.prefill, {a, b}) is c
+    assert r.pick(r.prefill, {a, b, c}) is None
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        Router([], ["http://d"])
