@@ -236,6 +236,41 @@ def test_bytes_all_reduced_per_step(models):
         llm.shutdown()
 
 
+def test_the_layer_halves_are_forward_layers_one_call_at_a_time(llm_default, monkeypatch):
+    """A tensor-parallel rank runs the kernels' layer halves (attention_half, mlp_half) one call at a time with
+    the all-reduces between; forward_layers runs the same halves in one call. With a group of one (the
+    all-reduce the identity) the two give the same bits: tokens and logprobs of the real model, default mode."""
+    model = llm_default.engine.runner.model
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    ref = llm_default.generate(prompts, params, use_tqdm=False)
+    calls = []
+
+    class Alone:  # a tensor-parallel group of one
+        def all_reduce_(self, x):
+            calls.append(x.shape)
+            return x
+
+    fused = type(model)._fused_layers
+
+    def halves(self, x, rope_tables, kv_caches, meta):
+        if fused(self, x.clone(), rope_tables, kv_caches, meta) is None:  # (its checks; K/V writes repeat)
+            return None
+        weights, fmts = self._layer_stack
+        self.tp = Alone()
+        try:
+            return self._tensor_parallel_layers(x, rope_tables, kv_caches, meta, weights, fmts)
+        finally:
+            self.tp = None
+
+    monkeypatch.setattr(type(model), "_fused_layers", halves)
+    got = llm_default.generate(prompts, params, use_tqdm=False)
+    assert calls and len(calls) % (2 * model.cfg.num_layers) == 0  # the halves ran, two all-reduces a layer
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        assert g.outputs[0].logprobs == r.outputs[0].logprobs  # the same bits
+
+
 def test_killed_worker_fails_the_next_generate_and_leaves_no_process(models):
     _, path = models["llama"]
     llm = make_llm(path, tp=2)

@@ -216,13 +216,12 @@ class LlamaForCausalLM(nn.Module):
         return weights, fmts
 
     def _fused_layers(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
-        """All decoder layers of a float32-cache step (decodes, prefill chunks or both) in one kernel
-        call (``forward_layers``): the same kernels, in the same order, as the layer-by-layer path,
-        without ~20 Python-dispatched ops per layer. None where it does not apply (a quantized KV
-        cache, or float weights)."""
+        """All decoder layers of a float32-cache step (decodes, prefill chunks or both) on the kernels' one
+        definition of a layer, its attention and MLP halves (cpu_kernels.cpp): in one kernel call
+        (``forward_layers``), without ~20 Python-dispatched ops per layer; under tensor parallelism one
+        call per half, the half's row-parallel output all-reduced between them. None where it does not
+        apply (a quantized KV cache, float weights, a family's extras)."""
         ops = self.ops
-        if self.tp is not None:  # the collectives sit between the layer halves: the per-layer path
-            return None
         if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches) \
                 or not self.cfg.is_plain_llama:
             return None
@@ -232,10 +231,25 @@ class LlamaForCausalLM(nn.Module):
             return None
         weights, fmts = self._layer_stack
         cfg = self.cfg
+        if self.tp is not None:
+            return self._tensor_parallel_layers(x, rope_tables, kv_caches, meta, weights, fmts)
         return ops.forward_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
                                   rope_tables[0], rope_tables[1], meta.slot_mapping, meta.block_tables,
                                   meta.seq_of, meta.ctx_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   self.norm.eps, cfg.attention_scale)
+
+    def _tensor_parallel_layers(self, x, rope_tables, kv_caches, meta, weights, fmts) -> torch.Tensor:
+        """forward_layers' halves one at a time, each half's partial sum (this rank's heads through its
+        o_proj columns, its MLP width through its down_proj columns) all-reduced before the residual add."""
+        ops, cfg, tp, eps = self.ops, self.cfg, self.tp, self.norm.eps
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            w, f = weights[7 * i:7 * i + 7], fmts[4 * i:4 * i + 4]
+            o = ops.attention_half(x, w[:4], f[:2], k_cache, v_cache, rope_tables[0], rope_tables[1],
+                                   meta.slot_mapping, meta.block_tables, meta.seq_of, meta.ctx_lens, cfg.num_heads,
+                                   cfg.num_kv_heads, cfg.head_dim, eps, cfg.attention_scale)
+            x = x + tp.all_reduce_(o)
+            x = x + tp.all_reduce_(ops.mlp_half(x, w[4:], f[2:], eps))
+        return x
 
     def forward(
         self,
