@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import types
 
 import pytest
 import torch
@@ -263,7 +264,7 @@ def test_the_layer_halves_are_forward_layers_one_call_at_a_time(llm_default, mon
         finally:
             self.tp = None
 
-    monkeypatch.setattr(type(model), "_fused_layers", halves)
+    monkeypatch.setattr(model, "_fused_layers", types.MethodType(halves, model))
     got = llm_default.generate(prompts, params, use_tqdm=False)
     assert calls and len(calls) % (2 * model.cfg.num_layers) == 0  # the halves ran, two all-reduces a layer
     for r, g in zip(ref, got):
