@@ -459,11 +459,11 @@ class AsyncEngine:
                     f"the server is overloaded: {engine.num_waiting} sequences are waiting and the "
                     f"limit is {limit} (--max-waiting-requests); retry later")
             # The command waited for the step in flight; latencies count from the real arrival.
-            slo = {"slo_tpot_ms": cmd.slo_tpot_ms} if cmd.slo_tpot_ms else {}
-            if cmd.kv_transfer_params is not None:
-                slo["kv_transfer_params"] = cmd.kv_transfer_params
+            # the optional arguments only where given (engines with the plain signature take the rest)
+            extra = {k: v for k, v in (("slo_tpot_ms", cmd.slo_tpot_ms), ("kv_transfer_params", cmd.kv_transfer_params))
+                     if v}
             rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
-                                     arrival_time=cmd.arrival_time, **slo)
+                                     arrival_time=cmd.arrival_time, **extra)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too
             self._forget_admission(cmd.admitted)
             cmd.future.set_exception(e)
