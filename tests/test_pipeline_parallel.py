@@ -29,7 +29,8 @@ TOL = 1e-4
 
 def make_llm(path, pp: int = 1, **kw) -> LLM:
     kw.setdefault("quantization", "none")
-    return LLM(str(path), dtype="float32", kv_cache_memory="16MiB", pipeline_parallel_size=pp, **kw)
+    kw.setdefault("kv_cache_memory", "16MiB")
+    return LLM(str(path), dtype="float32", pipeline_parallel_size=pp, **kw)
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -58,7 +59,7 @@ def test_pp2_matches_one_process_and_transformers(models, name):
         llm = make_llm(path, pp=2, pipeline_micro_batches=m)
         try:
             model = llm.engine.core.runner.model
-            assert model.layer_range == stage_layers(ref.config.num_hidden_layers, 0, 2)
+            assert model.layer_range == stage_layers(ref.config.num_hidden_layers, 0, 2) == (0, 1)
             assert len(model.layers) == len(llm.engine.core.runner.kv_caches) < ref.config.num_hidden_layers
             logits = llm.engine.core.prompt_logits(PROMPTS[0])
             err = ((logits - tm.hf_logits(ref, PROMPTS[0])[:-1]).abs().max() / logits.abs().max()).item()
@@ -87,6 +88,122 @@ def test_bytes_sent_between_stages(models):
         assert group.all_reduce_calls == 0
     finally:
         llm.shutdown()
+
+
+def _watch_steps(core) -> dict:
+    """Wrap the runner's launch/finish: check that steps in flight hold disjoint requests and end oldest
+    first; count how many were in flight at most, and the launches made while another was in flight."""
+    seen = {"max": 0, "overlapped": 0, "steps": 0}
+    in_flight: list[set[str]] = []
+    launch, finish = core.runner.launch, core.runner.finish
+
+    def spy_launch(sched):
+        ids = {s.request_id for s in sched.scheduled}
+        assert all(not ids & other for other in in_flight), "a request was scheduled while in flight"
+        step = launch(sched)
+        if step is not None:
+            seen["overlapped"] += bool(in_flight)
+            seen["steps"] += 1
+            in_flight.append(ids)
+            seen["max"] = max(seen["max"], len(in_flight))
+        return step
+
+    def spy_finish(step):
+        if step is not None:
+            assert in_flight.pop(0) == step.request_ids  # the oldest step ends first
+        return finish(step)
+
+    core.runner.launch, core.runner.finish = spy_launch, spy_finish
+    return seen
+
+
+@pytest.mark.parametrize("in_flight", [2, 3])
+def test_steps_in_flight_overlap_and_give_the_same_tokens(models, in_flight):
+    """Several steps in flight (the default: one per stage): rank 0 launches step n + 1 (other requests)
+    before step n comes back from the last stage; the tokens equal one step at a time's and one process's."""
+    _, path = models["llama"]
+    prompts = PROMPTS * 3
+    one = make_llm(path)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    one.shutdown()
+    for n in (1, in_flight):
+        llm = make_llm(path, pp=2, pipeline_batches_in_flight=n)
+        try:
+            seen = _watch_steps(llm.engine.core)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+            assert got == want, f"{n} steps in flight"
+            assert seen["max"] == n and (seen["overlapped"] > seen["steps"] // 2 if n > 1 else not seen["overlapped"])
+            core = llm.engine.core
+            assert not core.has_unfinished() and not core.runner._in_flight and not core.scheduler.in_flight
+            core.kv_cache.check_invariants()
+        finally:
+            llm.shutdown()
+
+
+def test_a_request_aborted_in_flight_and_preemption_between_steps_in_flight(models):
+    """A request aborted while its step is in flight frees its blocks at once (later steps reuse them
+    only after, in every stage's order) and the others' tokens are unchanged; a KV pool too small for
+    everyone preempts only requests not in flight; no block or state outlives the run."""
+    _, path = models["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = make_llm(path, kv_cache_memory="2MiB")
+    want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    one.shutdown()
+    # stage 0 holds 1 of the 3 layers: 256 bytes a token, 4 KiB a block of 16; 8 blocks for the 14 the
+    # requests take at their longest make them preempt one another
+    llm = make_llm(path, pp=2, pipeline_batches_in_flight=2, kv_cache_memory="32KiB")
+    try:
+        engine, core = llm.engine, llm.engine.core
+        assert core.kv_cache.num_blocks == 8
+        seen = _watch_steps(core)
+        rids = [engine.add_request(p, params) for p in PROMPTS]
+        doomed = engine.add_request(list(range(60, 100)), params)
+        outs: dict[str, list[int]] = {}
+        aborted = False
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] = o.outputs[0].token_ids
+            if not aborted and doomed in core.runner._in_flight:
+                assert engine.abort_request(doomed).outputs[0].finish_reason == "abort"
+                assert doomed not in core.kv_cache.block_tables
+                aborted = True
+        assert aborted and seen["max"] == 2
+        assert [outs[r] for r in rids] == want
+        assert core.scheduler.num_preemptions > 0
+        assert not core.runner._in_flight and not core.scheduler.in_flight
+        core.kv_cache.check_invariants()
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name,quantization", [("llama", "none"), ("qwen2_moe", "none"), ("llama", "int8")])
+def test_tp2_x_pp2_matches_one_process_and_transformers(models, name, quantization):
+    """Four ranks: two stages of two tensor-parallel ranks each (global rank = stage x 2 + rank in the
+    stage); each stage's ranks all-reduce among themselves, and each sends its hidden states to its
+    counterpart in the next stage. Float: logits within tolerance of transformers; greedy tokens equal
+    to one process's, float and int8."""
+    ref, path = models[name]
+    one = make_llm(path, quantization=quantization)
+    want = greedy(one)
+    one.shutdown()
+    llm = make_llm(path, pp=2, tensor_parallel_size=2, quantization=quantization)
+    try:
+        core = llm.engine.core
+        group = core.executor.group
+        assert (group.size, group.stage, group.num_stages, group.tensor.size, group.tensor.rank) == (4, 0, 2, 2, 0)
+        model = core.runner.model
+        assert model.tp is group.tensor and model.cfg.num_heads == ref.config.num_attention_heads // 2
+        if quantization == "none":
+            logits = core.prompt_logits(PROMPTS[0])
+            err = ((logits - tm.hf_logits(ref, PROMPTS[0])[:-1]).abs().max() / logits.abs().max()).item()
+            assert err < TOL, f"TP=2 x PP=2 logits differ from transformers: relative error {err:.2e}"
+        group.tensor.reset_counters()
+        assert greedy(llm) == want
+        assert group.tensor.all_reduce_calls > 0  # the stage's layers ran split over its two ranks
+    finally:
+        llm.shutdown()
+    assert not any(w.is_alive() for w in core.executor.workers)
 
 
 def test_killed_stage_fails_the_next_generate(models):
@@ -160,9 +277,12 @@ def test_flags_and_refusals():
     add_engine_args(p)
     par = EngineConfig.from_kwargs(**engine_kwargs(p.parse_args(["--pipeline-parallel-size", "2",
                                                                  "--pipeline-micro-batches", "4"]))).parallel
-    assert (par.world_size, par.micro_batches) == (2, 4)
-    assert EngineConfig.from_kwargs(pipeline_parallel_size=3).parallel.micro_batches == 3
-    with pytest.raises(ValueError, match="both above 1 is not built yet"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (par.world_size, par.micro_batches, par.batches_in_flight) == (2, 4, 2)
+    par = EngineConfig.from_kwargs(pipeline_parallel_size=3).parallel
+    assert (par.micro_batches, par.batches_in_flight) == (1, 3)
+    assert EngineConfig.from_kwargs(pipeline_parallel_size=3, pipeline_batches_in_flight=1).parallel.batches_in_flight == 1
+    with pytest.raises(ValueError, match="--pipeline-batches-in-flight must be a positive integer"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, pipeline_batches_in_flight=-1)
+    assert EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel.world_size == 4
     with pytest.raises(ValueError, match="--pipeline-parallel-size must be a positive integer"):
         EngineConfig.from_kwargs(pipeline_parallel_size=0)

@@ -219,6 +219,7 @@ class SpeculativeConfig:
 
 # --distributed-executor-backend: tokenmill starts the ranks itself (mp), or torchrun did (external_launcher)
 DISTRIBUTED_BACKENDS = ("mp", "external_launcher")
+ALL2ALL_BACKENDS = ("allreduce", "alltoall")  # how a MoE layer's tokens reach the experts' ranks
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,14 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # layers split into this many stages, one process each
-    pipeline_micro_batches: int = 0  # micro-batches a step is cut into under pipeline parallelism (0: P)
+    pipeline_micro_batches: int = 0  # micro-batches a step is cut into under pipeline parallelism (0: 1)
     distributed_executor_backend: str = "mp"
     enable_expert_parallel: bool = False  # MoE: ranks hold whole experts instead of a slice of each
+    # expert parallelism's dispatch and combine: allreduce (every rank routes every token to its own
+    # experts, one all-reduce sums the layer) or alltoall (each rank routes its share of the tokens, an
+    # all-to-all sends them to their experts' ranks and another brings the outputs back)
+    all2all_backend: str = "allreduce"
+    pipeline_batches_in_flight: int = 0  # steps in flight across the pipeline stages at once (0: P)
 
     @property
     def world_size(self) -> int:
@@ -239,7 +245,11 @@ class ParallelConfig:
 
     @property
     def micro_batches(self) -> int:
-        return self.pipeline_micro_batches or self.pipeline_parallel_size
+        return self.pipeline_micro_batches or 1
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self.pipeline_batches_in_flight or self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size),
@@ -248,10 +258,21 @@ class ParallelConfig:
                 raise ValueError(f"{flag} must be a positive integer, got {v!r}")
         m = self.pipeline_micro_batches
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise ValueError(f"--pipeline-micro-batches must be a positive integer (0: the pipeline size), got {m!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError("--tensor-parallel-size and --pipeline-parallel-size both above 1 is not built yet; "
-                             "use one of them")
+            raise ValueError(f"--pipeline-micro-batches must be a positive integer (0: one), got {m!r}")
+        n = self.pipeline_batches_in_flight
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"--pipeline-batches-in-flight must be a positive integer (0: the pipeline size), "
+                             f"got {n!r}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"--all2all-backend must be one of {', '.join(ALL2ALL_BACKENDS)}, "
+                             f"got {self.all2all_backend!r}")
+        if self.all2all_backend == "alltoall":  # (layers/moe.py: dispatch between the ranks holding the experts)
+            missing = ([] if self.tensor_parallel_size > 1 else ["--tensor-parallel-size N (N > 1)"]) + \
+                ([] if self.enable_expert_parallel else ["--enable-expert-parallel"])
+            if missing:
+                raise ValueError("--all2all-backend alltoall sends a mixture-of-experts layer's tokens to the ranks "
+                                 "holding their experts, so it needs expert parallelism over several ranks: add "
+                                 f"{' and '.join(missing)} (or use --all2all-backend allreduce)")
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"--distributed-executor-backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")

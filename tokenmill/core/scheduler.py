@@ -178,6 +178,14 @@ class Scheduler:
         self._kv_sends: list[KVSend] = []  # finished since take_kv_sends
         self._recv_cancelled: set[str] = set()  # aborted while receiving: blocks kept until the pull ends
         self.recompute_failed_kv = True  # a failed pull: compute the prompt here (False: fail the request)
+        # Pipeline parallelism runs several steps at once (engine/core.py): a request in a step not yet
+        # applied is in flight, so it is neither scheduled again nor preempted until then. The running
+        # requests are spread over ``lanes`` (one per step in flight, vLLM's virtual engines), balanced as
+        # they are admitted, and consecutive steps take consecutive lanes, so each step has its share.
+        self.lanes = 1
+        self._lane = 0  # the lane the next step takes
+        self._lane_of: dict[str, int] = {}
+        self.in_flight: set[str] = set()
         self.clock = time.perf_counter  # tests substitute a fake clock
 
     # ---- admission -------------------------------------------------------------------
@@ -220,6 +228,7 @@ class Scheduler:
         elif req.request_id not in self._recv_cancelled:
             self.kv_cache.free(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
+        self._lane_of.pop(req.request_id, None)
         if self.proposer is not None:
             self.proposer.finish(req.request_id)
         del self.requests[req.request_id]
@@ -230,7 +239,7 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.in_flight)
 
     # ---- disaggregation ----------------------------------------------------------------
 
@@ -304,6 +313,7 @@ class Scheduler:
 
         # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
         # drafting request reserves slots for its drafts now; they are proposed once all are known.
+        lane = self._next_lane()
         drafting: list[tuple[Request, int]] = []
         # the batch drafts are priced at: the running requests and those about to join them
         batch = min(len(self.running) + len(self.waiting), max_running)
@@ -311,13 +321,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in self.in_flight or self._lane_of.get(req.request_id, lane) != lane:
+                i += 1  # its step is in flight, or this step is another lane's
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             room = self._draft_room(req, budget, draft_cost, batch) if num_new == 1 else 0
             if room and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + room) is None:
                 room = 0  # drafts never preempt anyone: without room for them, the request just decodes
             num_new += room
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
-                victim = self.running.pop()  # the policy's last: fcfs most recent, priority least urgent
+                victim = self._pop_victim()  # the policy's last: fcfs most recent, priority least urgent
+                if victim is None:  # only requests in flight could give blocks back: wait for them
+                    break
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -329,14 +344,18 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            break  # req itself was preempted: nothing after it is left to schedule
+            break  # req itself was preempted (or must wait): nothing after it is left to schedule
         if drafting:
             budget += self._emit_drafted(drafting, out)
 
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
+        lane_cap = -(-(len(self.running) + len(self.waiting)) // self.lanes)  # requests a lane may hold
+        lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id) == lane)
         while self.waiting and not out.preempted_request_ids and budget > 0:
             if len(self.running) + len(self.waiting_for_kv) >= max_running:
+                break
+            if self.lanes > 1 and lane_size >= lane_cap:
                 break
             req = self.waiting[0]
             swapped = req.request_id in self.swapped
@@ -375,6 +394,9 @@ class Scheduler:
                 self.running.insert(0, req)
             else:
                 self.running.append(req)
+            if self.lanes > 1:
+                self._lane_of[req.request_id] = lane
+                lane_size += 1
             self._emit(req, num_new, out)
             budget -= num_new
         return out
@@ -419,6 +441,8 @@ class Scheduler:
                                                    req.sampling_params, req.eos_token_ids, req.constraints))
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
+        if self.lanes > 1:
+            self.in_flight.add(req.request_id)
         out.scheduled.append(
             ScheduledRequest(
                 req.request_id,
@@ -436,6 +460,18 @@ class Scheduler:
         else:
             out.num_prefill_tokens += num_new
 
+    def _next_lane(self) -> int:
+        lane = self._lane
+        self._lane = (lane + 1) % self.lanes
+        return lane
+
+    def _pop_victim(self) -> Request | None:
+        """The last running request not in flight, taken out of running; None if there is none."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j].request_id not in self.in_flight:
+                return self.running.pop(j)
+        return None
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         kv = self.kv_cache
         if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
@@ -445,6 +481,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
         kv.free(req.request_id)
+        self._lane_of.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -459,6 +496,7 @@ class Scheduler:
         finished: list[Request] = []
         bs = self.kv_cache.block_size
         for s in sched.scheduled:
+            self.in_flight.discard(s.request_id)
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -47,6 +47,7 @@ from tokenmill.distributed.group import TPGroup, compute_timeout_s, connect_stor
 logger = logging.getLogger("tokenmill")
 WATCHDOG_S = 0.2
 JOIN_TIMEOUT_S = 120.0  # how long the driver waits for the workers to reach the rendezvous
+STOP_WAIT_S = 10.0  # how long shutdown waits for busy pipeline stages to take Stop
 
 
 class Forward(msgspec.Struct, tag="fwd", array_like=True):
@@ -63,8 +64,17 @@ _decoder = msgspec.msgpack.Decoder(Forward | Stop)
 
 
 def new_group(config: EngineConfig, store, rank: int, device: torch.device) -> TPGroup:
+    """This rank's group of all the ranks; under pipeline parallelism with T > 1, also its stage's
+    tensor-parallel group (``.tensor``: ranks stage x T .. stage x T + T - 1, on their own store prefix)."""
     par = config.parallel
-    return TPGroup(store, rank, par.world_size, device, par.enable_expert_parallel, par.pipeline_parallel_size > 1)
+    t, p = par.tensor_parallel_size, par.pipeline_parallel_size
+    group = TPGroup(store, rank, par.world_size, device, par.enable_expert_parallel, p > 1, par.all2all_backend)
+    if p > 1:
+        group.stage, group.num_stages = rank // t, p
+        if t > 1:
+            group.tensor = TPGroup(dist.PrefixStore(f"stage{group.stage}/", store), rank % t, t, device,
+                                   par.enable_expert_parallel, False, par.all2all_backend)
+    return group
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -86,6 +96,7 @@ class TPExecutor:
         self.device = device
         self.failed: str | None = None
         self._closed = False
+        self._message_sends: list = []  # pipeline: messages to busy stages, kept until they are taken
         self.store = create_store(self.size)
         ctx = multiprocessing.get_context("spawn")  # the engine may hold threads a fork would copy broken
         payload = msgspec.msgpack.encode(config)
@@ -131,10 +142,20 @@ class TPExecutor:
         self.group.reset_counters()
 
     def run_forward(self, order, logits_rows: list[int], local_forward):
-        """Send one forward pass to the workers, run the driver's share, return the logits."""
+        """Send one forward pass to the workers, run the driver's share: the logits, or under pipeline
+        parallelism the pass in flight (distributed/pipeline.py's PendingLogits; ``wait`` for it)."""
         msg = Forward([(list(s.token_ids), s.start_pos, list(s.block_table)) for s in order], logits_rows)
-        return self._call(lambda: (self.group.broadcast_bytes(_encoder.encode(msg)),
-                                   local_forward(order, logits_rows))[1])
+
+        def run():
+            self._message_sends = [(w, b) for w, b in self._message_sends if not w.is_completed()]
+            self._message_sends += post_message(self.group, _encoder.encode(msg))
+            return local_forward(order, logits_rows)
+
+        return self._call(run)
+
+    def wait(self, pending) -> torch.Tensor:
+        """A pipelined forward pass's logits, once the last stage has sent them."""
+        return self._call(pending.wait)
 
     def _call(self, fn):
         if self.failed:
@@ -157,10 +178,7 @@ class TPExecutor:
             return
         self._closed = True
         if not self.failed and hasattr(self, "group") and not self._dead():
-            try:
-                self.group.broadcast_bytes(_encoder.encode(Stop()))
-            except RuntimeError:
-                pass
+            _send_stop(self.group)
         deadline = time.monotonic() + timeout
         for w in self.workers:
             w.join(max(0.0, deadline - time.monotonic()))
@@ -185,6 +203,7 @@ class ExternalLauncherExecutor(TPExecutor):
         self.size, self.device, self.group = group.size, device, group
         self.failed: str | None = None
         self._closed = False
+        self._message_sends: list = []
         self.workers = []
         # The other ranks wait for Stop (and torchrun's agents for every rank before they exit): sent by
         # shutdown(), or when the engine is dropped or the interpreter exits without it.
@@ -204,9 +223,29 @@ class ExternalLauncherExecutor(TPExecutor):
 
 def _send_stop(group: TPGroup) -> None:
     try:
-        group.broadcast_bytes(_encoder.encode(Stop()))
+        for work, _ in post_message(group, _encoder.encode(Stop())):  # (stages finish their passes first)
+            work.wait(datetime.timedelta(seconds=STOP_WAIT_S))
     except RuntimeError:  # a rank is gone already
         pass
+
+
+def post_message(group: TPGroup, data: bytes) -> list:
+    """The driver's message to every worker: a broadcast where the ranks take every step together
+    (tensor parallelism), point to point where they may still be busy with earlier steps (pipeline
+    stages; returns the sends in flight, to keep until they complete)."""
+    if not group.pipeline:
+        group.broadcast_bytes(data)
+        return []
+    group.message_seq += 1
+    return [ws for r in range(1, group.size) for ws in group.send_message(data, r, group.message_seq)]
+
+
+def receive_message(group: TPGroup) -> bytes:
+    """A worker's next message from the driver (post_message's other side)."""
+    if not group.pipeline:
+        return group.broadcast_bytes(None)
+    group.message_seq += 1
+    return group.recv_message(group.message_seq)
 
 
 def torchrun_rank(config: EngineConfig) -> tuple[int, int]:
@@ -307,7 +346,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
         runner.pipeline = (group, config.parallel.micro_batches)
     group.all_reduce_(torch.zeros(1, device=device))  # ready (the driver waits for every rank)
     while True:
-        msg = _decoder.decode(group.broadcast_bytes(None))
+        msg = _decoder.decode(receive_message(group))
         if isinstance(msg, Stop):
             return
         order = [ScheduledRequest("", ids, start, table, False) for ids, start, table in msg.scheduled]

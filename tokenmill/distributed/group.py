@@ -51,9 +51,10 @@ class TPGroup:
     """This rank's place in the tensor-parallel group, with byte counters for the communication test."""
 
     def __init__(self, store, rank: int, size: int, device: torch.device, expert_parallel: bool = False,
-                 pipeline: bool = False) -> None:
+                 pipeline: bool = False, all2all_backend: str = "allreduce") -> None:
         self.rank, self.size, self.device = rank, size, device
         self.expert_parallel = expert_parallel  # a MoE layer's ranks hold whole experts (distributed/sharding.py)
+        self.all2all_backend = all2all_backend  # how expert parallelism dispatches tokens (layers/moe.py)
         self.pipeline = pipeline  # the ranks are pipeline stages, not tensor-parallel shards (pipeline.py)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -61,11 +62,19 @@ class TPGroup:
                                   datetime.timedelta(seconds=compute_timeout_s()))
         self.control = _new_group(dist.PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
         self.store = store  # (kept alive: the groups rendezvous through it)
+        # pipeline parallelism (pipeline=True; set by executor.new_group): this rank's stage of how many, and
+        # the group of its stage's tensor-parallel ranks (None with one rank a stage). Global rank =
+        # stage x T + tensor-parallel rank.
+        self.stage, self.num_stages, self.tensor = 0, 1, None
+        # pipeline stages: the driver's messages and the forward passes, numbered alike on every rank (tags)
+        self.message_seq = self.forward_seq = -1
+        self.pending_sends: list = []  # a stage's sends of its last forward pass
         self.reset_counters()
 
     def reset_counters(self) -> None:
         self.all_reduce_bytes = self.all_gather_bytes = self.send_bytes = 0
         self.all_reduce_calls = self.all_gather_calls = self.send_calls = 0
+        self.all_to_all_bytes = self.all_to_all_calls = 0  # expert parallelism's dispatch and combine
         self.recv_wait_s = 0.0  # time blocked in recv: a pipeline stage's idle share (the bubble)
 
     def send(self, x: torch.Tensor, dst: int, tag: int):
@@ -82,6 +91,28 @@ class TPGroup:
         self.recv_wait_s += time.perf_counter() - t
         return buf
 
+    def irecv(self, buf: torch.Tensor, src: int, tag: int):
+        """Start receiving rank ``src``'s tensor into ``buf``; the returned work's wait() completes it."""
+        return self.compute.recv([buf], src, tag)
+
+    def send_message(self, data: bytes, dst: int, seq: int) -> list:
+        """Start sending the driver's message ``data`` (msgpack) to rank ``dst`` on the control group: its
+        length, then its bytes. ``seq`` numbers the driver's messages (tags, so several can be in flight);
+        returns [(work, buffer)] to wait on before the buffers may go."""
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        tag = 2 * (seq % 2**20)
+        return [(self.control.send([n], dst, tag), n), (self.control.send([buf], dst, tag + 1), buf)]
+
+    def recv_message(self, seq: int) -> bytes:
+        """The driver's message number ``seq`` (send_message), waiting as long as the engine idles."""
+        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        tag = 2 * (seq % 2**20)
+        self.control.recv([n], 0, tag).wait()
+        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        self.control.recv([buf], 0, tag + 1).wait()
+        return buf.cpu().numpy().tobytes()
+
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
         self.all_reduce_bytes += x.numel() * x.element_size()
@@ -97,6 +128,19 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.compute.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Rows of ``x`` to every rank: ``in_splits[d]`` consecutive rows (dim 0) to rank d, in rank order;
+        returns the ``out_splits[s]`` rows each rank s sent here, in rank order. Zero-row splits (a rank
+        with nothing for another, or nothing at all) are fine; every rank must call it. Counts the bytes
+        this rank sends to the other ranks (its own split stays here)."""
+        x = x.contiguous()
+        row = x[0].numel() * x.element_size() if x.shape[0] else 0
+        self.all_to_all_bytes += (sum(in_splits) - in_splits[self.rank]) * row
+        self.all_to_all_calls += 1
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.compute.alltoall_base(out, x, list(out_splits), list(in_splits)).wait()
+        return out
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """The driver's ``data`` on every rank (workers pass None): the length first, then the bytes, as

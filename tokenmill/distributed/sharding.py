@@ -9,10 +9,13 @@ with their heads (the mean square is summed over ranks). Other norms and everyth
 
 Mixture of experts: by default each expert is split like a dense MLP (its gate/up rows and down columns,
 a slice of its width on every rank); with ``--enable-expert-parallel`` rank r holds whole experts
-``expert_range`` and no others. Either way the router is whole (every rank routes every token: the
-hidden states are replicated after the attention's all-reduce), the shared expert is split like a dense
-MLP, and one all-reduce sums the layer's partial outputs, as for a dense MLP. (Dispatching tokens with an
-all-to-all pays only where ranks hold different tokens, i.e. data-parallel attention, not built.)
+``expert_range`` and no others. The router is whole on every rank. With the default dispatch
+(``--all2all-backend allreduce``) every rank routes every token (the hidden states are replicated after
+the attention's all-reduce), the shared expert is split like a dense MLP, and one all-reduce sums the
+layer's partial outputs, as for a dense MLP. With ``--all2all-backend alltoall`` (expert parallelism
+only) each rank routes its share of the tokens and all-to-alls carry them to their experts' ranks and
+back (layers/moe.py); the shared expert is then whole on every rank (``whole_shared_expert``), run over
+the rank's own share, so that it needs no all-reduce of its own.
 
 The same slices apply to float tensors (``shard_weight``, before load_weights) and to a GGUF file's
 quantized blocks (``shard_quantized``, before quantize_model): rows are rows; columns are whole blocks.
@@ -108,6 +111,13 @@ def local_config(cfg: ModelConfig, t: int, expert_parallel: bool = False) -> Mod
                                shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // t)
 
 
+def dispatches_all_to_all(tp) -> bool:
+    """Whether a MoE layer on TPGroup ``tp`` sends its tokens to the experts' ranks by all-to-all
+    (``--enable-expert-parallel --all2all-backend alltoall`` over more than one rank; layers/moe.py)."""
+    return (tp is not None and tp.size > 1 and not getattr(tp, "pipeline", False)
+            and getattr(tp, "expert_parallel", False) and getattr(tp, "all2all_backend", "allreduce") == "alltoall")
+
+
 def expert_range(num_experts: int, rank: int, t: int, expert_parallel: bool) -> tuple[int, int]:
     """[first, last) of the experts rank ``rank`` holds: all of them, or its 1/T under expert parallelism."""
     if not expert_parallel:
@@ -144,10 +154,11 @@ def _expert_spec(m: re.Match, cfg: ModelConfig, rank: int, t: int, expert_parall
     return (1, [width, width]) if stacked == "gate_up_proj" else (2, [width])  # [E, 2I, H] / [E, H, I]
 
 
-def _spec(name: str, cfg: ModelConfig, rank: int, t: int,
-          expert_parallel: bool = False) -> tuple[int, list[tuple[int, int]]] | None:
+def _spec(name: str, cfg: ModelConfig, rank: int, t: int, expert_parallel: bool = False,
+          whole_shared_expert: bool = False) -> tuple[int, list[tuple[int, int]]] | None:
     """How rank ``rank`` slices HF tensor ``name``: (dim, [(start, stop) per fused part, in the part's own
-    coordinates]) or None for a whole tensor. dim 0: output rows; 1: input columns."""
+    coordinates]) or None for a whole tensor. dim 0: output rows; 1: input columns. ``whole_shared_expert``:
+    Qwen2-MoE's shared expert stays whole (the all-to-all dispatch: ``dispatches_all_to_all``)."""
     h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     expert = _EXPERT_NAME.search(name)
     if expert is not None:
@@ -168,6 +179,8 @@ def _spec(name: str, cfg: ModelConfig, rank: int, t: int,
         return None
     module = parts[-2]
     if parts[-3] == "shared_expert":  # Qwen2-MoE's shared expert: a dense MLP of its own width
+        if whole_shared_expert:
+            return None
         mlp = _slice(cfg.shared_expert_intermediate_size, rank, t)
     rows = {"q_proj": [q], "k_proj": [kv], "v_proj": [kv], "qkv_proj": [q, kv, kv],  # qkv: Phi-3's fused
             "gate_proj": [mlp], "up_proj": [mlp], "gate_up_proj": [mlp, mlp]}
@@ -191,9 +204,9 @@ def _part_sizes(name: str, cfg: ModelConfig) -> list[int]:
 
 
 def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, t: int,
-                 expert_parallel: bool = False) -> torch.Tensor:
+                 expert_parallel: bool = False, whole_shared_expert: bool = False) -> torch.Tensor:
     """Rank ``rank``'s slice of float tensor ``name`` (HF naming; cfg is the whole model's)."""
-    spec = _spec(name, cfg, rank, t, expert_parallel)
+    spec = _spec(name, cfg, rank, t, expert_parallel, whole_shared_expert)
     if spec is None or t == 1:
         return w
     dim, ranges = spec

@@ -62,13 +62,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "rendezvous, one machine or several): rank 0 runs it, the others serve its forward passes")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="pipeline parallelism: split the layers into this many stages, one process each, with "
-                        "a step's micro-batches in flight across them (default 1)")
+                        "several steps in flight across them (default 1)")
+    g.add_argument("--pipeline-batches-in-flight", type=int, default=0,
+                   help="steps (batches of different requests) in flight across the pipeline stages at once, so "
+                        "that every stage has work (default: the pipeline size; 1 runs one step at a time)")
     g.add_argument("--pipeline-micro-batches", type=int, default=0,
-                   help="micro-batches a step is cut into under pipeline parallelism (whole requests; default: "
-                        "the pipeline size); more shrink the bubble (P - 1) / (m + P - 1) and the GEMMs")
+                   help="micro-batches each step is cut into under pipeline parallelism (whole requests; default "
+                        "1); more shrink a step's bubble (P - 1) / (m + P - 1) but re-read each stage's weights")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="mixture-of-experts models under --tensor-parallel-size: each rank holds whole experts "
                         "(the experts must divide by the size) instead of a slice of every expert")
+    g.add_argument("--all2all-backend", default="allreduce", choices=["allreduce", "alltoall"],
+                   help="expert parallelism's dispatch and combine: allreduce, every rank routes every token to "
+                        "its own experts and one all-reduce sums the layer (default); alltoall, each rank routes "
+                        "its share of the tokens and all-to-alls send them to their experts' ranks and back")
     add_speculative_args(g)
     add_latency_args(p)
 
@@ -192,6 +199,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 pipeline_micro_batches=a.pipeline_micro_batches,
+                pipeline_batches_in_flight=a.pipeline_batches_in_flight, all2all_backend=a.all2all_backend,
                 distributed_executor_backend=a.distributed_executor_backend,
                 enable_expert_parallel=a.enable_expert_parallel,
                 **{k: getattr(a, k) for k in KV_TRANSFER_FLAGS if hasattr(a, k)})

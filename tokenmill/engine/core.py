@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -169,6 +170,7 @@ class EngineCore:
         self.runner.executor = self.executor
         if tp is not None and tp.pipeline:
             self.runner.pipeline = (tp, config.parallel.micro_batches)
+            self.scheduler.lanes = config.parallel.batches_in_flight
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
@@ -262,6 +264,10 @@ class EngineCore:
         self._steps = 0
         self._num_added = 0  # sequences added since start (the front end matches its admissions to it)
         self._idle = False  # the last step computed nothing (with transfers pending, the next one waits)
+        # pipeline parallelism: the steps in flight, oldest first (_pipelined_step), and the time of the
+        # calls that only launched one
+        self._batches = collections.deque() if self.scheduler.lanes > 1 else None
+        self._launch_s = 0.0
         # Fault injection for the failure tests: a step raises as a failing forward pass would.
         fault = os.environ.get(FAULT_ENV)
         self._fault_step = int(fault) if fault else None
@@ -408,6 +414,8 @@ class EngineCore:
         return outputs, records
 
     def step(self) -> CoreStep:
+        if self._batches is not None:
+            return self._pipelined_step()
         kv_outputs, kv_records = self._kv_transfers() if self.kv_connector is not None else ([], [])
         start = time.perf_counter()
         self._steps += 1
@@ -424,36 +432,81 @@ class EngineCore:
         if self._steps == self._fault_step:  # as a forward pass failing: after blocks were handed out
             raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
         result = self.runner.execute(sched)
-        finished = self.scheduler.update_from_output(sched, result)
-        requests = self.scheduler.requests
-        updated = [requests[r] for r in result.sampled_token_ids if r in requests]
-        outputs = kv_outputs + [self._output(req, result) for req in updated + finished]
+        outputs = kv_outputs + self._apply(sched, result)
         if self.kv_connector is not None:  # held before the front end hears they finished
             for send in self.scheduler.take_kv_sends():
                 self.kv_connector.offer(send)
         if self._idle and self.kv_connector is not None and not outputs and not kv_records:
             return CoreStep([], None, self.state())  # a poll for transfers: no step to report
         duration = time.perf_counter() - start
-        self._busy += duration
         if shape is not None and planner.predicts:
             planner.observe(shape, duration)
-        stats = StepStats(
+        stats = self._stats(sched, result, start, duration, shape, predicted, pc.queries - queries, pc.hits - hits,
+                            scheduled - start - self.scheduler.draft_s, self.scheduler.draft_s, kv_records or None)
+        return CoreStep(outputs, stats, self.state())
+
+    def _pipelined_step(self) -> CoreStep:
+        """Pipeline parallelism with several steps in flight (vLLM's batch queue): each call launches the
+        next step (of requests not in flight) while there is room and returns at once if another could
+        follow; otherwise it finishes the oldest step and reports it. Rank 0 thus schedules and runs stage
+        0 of step n + 1 while the later stages work on step n, and no stage waits for a step to end."""
+        start = time.perf_counter()
+        batches = self._batches
+        if len(batches) < self.config.parallel.batches_in_flight:
+            self._steps += 1
+            pc = self.kv_cache.stats
+            queries, hits = pc.queries, pc.hits
+            sched = self.scheduler.schedule()
+            scheduled = time.perf_counter()
+            if self._steps == self._fault_step:
+                raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
+            launched = self.runner.launch(sched)
+            if launched is not None:
+                batches.append((sched, launched, start, pc.queries - queries, pc.hits - hits,
+                                scheduled - start - self.scheduler.draft_s, self.scheduler.draft_s))
+                s = self.scheduler
+                more = s.waiting or any(r.request_id not in s.in_flight for r in s.running)
+                if more and len(batches) < self.config.parallel.batches_in_flight:
+                    self._launch_s += time.perf_counter() - start
+                    return CoreStep([], None, self.state())
+        if not batches:
+            return CoreStep([], None, self.state())
+        sched, launched, launched_at, queries, hits, schedule_s, draft_s = batches.popleft()
+        result = self.runner.finish(launched)
+        outputs = self._apply(sched, result)
+        duration = time.perf_counter() - start + self._launch_s  # every call's time counted once
+        self._launch_s = 0.0
+        shape = StepShape.of(sched)
+        return CoreStep(outputs, self._stats(sched, result, launched_at, duration, shape, None, queries, hits,
+                                             schedule_s, draft_s), self.state())
+
+    def _apply(self, sched, result) -> list[CoreOutput]:
+        """A step's sampled tokens into the scheduler: the outputs of the requests it advanced or ended."""
+        finished = self.scheduler.update_from_output(sched, result)
+        requests = self.scheduler.requests
+        updated = [requests[r] for r in result.sampled_token_ids if r in requests]
+        return [self._output(req, result) for req in updated + finished]
+
+    def _stats(self, sched, result, start: float, duration: float, shape, predicted, queries: int, hits: int,
+               schedule_s: float, draft_s: float, kv_transfers: list | None = None) -> StepStats:
+        self._busy += duration
+        planner = self.scheduler.planner
+        return StepStats(
             start, duration, sched.num_prefill_tokens, sched.num_decode_tokens,
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
             self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
-            pc.queries - queries, pc.hits - hits,
+            queries, hits,
             step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
             if self.scheduler.proposer is not None else None,
             predicted, getattr(planner, "last_budget", None), getattr(planner, "last_batch_target", None),
             planner.tracker.ratio if predicted is not None else None,
-            schedule_s=scheduled - start - self.scheduler.draft_s, draft_s=self.scheduler.draft_s,
+            schedule_s=schedule_s, draft_s=draft_s,
             forward_s=getattr(self.runner, "forward_s", 0.0), sample_s=getattr(self.runner, "sample_s", 0.0),
             flops=step_flops(self.model_config, shape) if shape is not None else 0.0,
             bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
             expert_tokens=self._expert_tokens(),
-            kv_transfers=kv_records or None,
+            kv_transfers=kv_transfers,
         )
-        return CoreStep(outputs, stats, self.state())
 
     def _expert_tokens(self) -> list[list[int]] | None:
         take = getattr(getattr(self.runner, "model", None), "take_expert_tokens", None)

@@ -140,7 +140,13 @@ class DecoderLayer(nn.Module):
             shared = cfg.shared_expert_intermediate_size
             experts = (0, cfg.num_experts) if tp is None else \
                 expert_range(cfg.num_experts, tp.rank, tp.size, tp.expert_parallel)
-            # (the shared expert's partial sum joins the experts' in SparseMoE's one all-reduce)
+            # The shared expert: split by width, its partial sum joining the experts' in SparseMoE's one
+            # all-reduce; under the all-to-all dispatch whole on every rank (cfg holds its 1/T: undone
+            # here), run over the rank's share of the tokens (distributed/sharding.py loads it whole)
+            from tokenmill.distributed.sharding import dispatches_all_to_all
+
+            if dispatches_all_to_all(tp):
+                shared *= tp.size
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.moe_intermediate_size, cfg.norm_topk_prob,
                                  MLP(cfg.hidden_size, shared) if shared else None, experts=experts, tp=tp)
@@ -165,12 +171,12 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int, tp=None) -> None:
         super().__init__()
-        from tokenmill.distributed.pipeline import stage_config, stage_layers
+        from tokenmill.distributed.pipeline import model_stage_layers, stage_config
         from tokenmill.distributed.sharding import local_config, padded_vocab
 
-        if tp is not None and tp.pipeline:  # a pipeline stage: its layers whole, renumbered from 0
-            self.layer_range = stage_layers(cfg.num_layers, tp.rank, tp.size)
-            cfg, tp = stage_config(cfg, *self.layer_range), None
+        if tp is not None and tp.pipeline:  # a pipeline stage: its layers, renumbered from 0 (and split
+            self.layer_range = model_stage_layers(cfg, tp.stage, tp.num_stages)  # over its tensor group)
+            cfg, tp = stage_config(cfg, *self.layer_range), tp.tensor
         else:
             self.layer_range = (0, cfg.num_layers)
         self.tp = tp

@@ -69,25 +69,28 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
             raw = gguf_quantized_weights(reader, cfg)
         kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
         weights = gguf_weights(reader, cfg, frozenset(kept))
+    group = tp  # the model's: its stage under pipeline parallelism; tp becomes the stage's tensor group
     if tp is not None and tp.size > 1 and tp.pipeline:  # this stage's layers, renumbered from 0
-        from tokenmill.distributed.pipeline import check_pipeline_parallel, stage_layers, stage_name
+        from tokenmill.distributed.pipeline import check_pipeline_parallel, model_stage_layers, stage_name
 
-        check_pipeline_parallel(cfg, tp.size)
-        first, last = stage_layers(cfg.num_layers, tp.rank, tp.size)
+        check_pipeline_parallel(cfg, tp.num_stages)
+        first, last = model_stage_layers(cfg, tp.stage, tp.num_stages)
         weights = ((new, w) for n, w in weights if (new := stage_name(n, first, last)) is not None)
         if raw:
             raw = {new: q for n, q in raw.items() if (new := stage_name(n, first, last)) is not None}
-    elif tp is not None and tp.size > 1:
-        from tokenmill.distributed.sharding import check_tensor_parallel, holds_weight, shard_quantized, shard_weight
+        tp = tp.tensor
+    if tp is not None and tp.size > 1:
+        from tokenmill.distributed.sharding import (check_tensor_parallel, dispatches_all_to_all, holds_weight,
+                                                    shard_quantized, shard_weight)
 
-        rank, size, ep = tp.rank, tp.size, tp.expert_parallel
+        rank, size, ep, whole = tp.rank, tp.size, tp.expert_parallel, dispatches_all_to_all(tp)
         check_tensor_parallel(cfg, size, quantized=quantization != "none", expert_parallel=ep)
-        weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size, ep))
+        weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size, ep, whole))
                    for n, w in weights if holds_weight(n, cfg, rank, size, ep))
         if raw:
             raw = {n: shard_quantized(n, q, cfg, rank, size) for n, q in raw.items()}
-    else:
-        tp = None
+    elif group is not None and not group.pipeline:
+        group = None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
                          f"{cfg.max_position_embeddings}")
@@ -97,7 +100,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len, tp)
+        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len, group)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(weights)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,18 @@ class _RequestState:
 
 
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 e4m3 kept as its bits (layers/attention.py)
+
+
+@dataclass
+class _Launched:
+    """A step between launch() and finish(): its logits (or the pass in flight) and how to sample them."""
+
+    logits: Any  # torch.Tensor, or distributed/pipeline.py's PendingLogits
+    request_ids: set[str]
+    sample_reqs: list
+    prompt_rows: list
+    sample_rows: list[int]
+    forward_s: float  # the driver's own part of the forward pass, at launch
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -89,6 +102,8 @@ class ModelRunner:
         # which run the same one on their shards (distributed/executor.py)
         self.executor = None
         self.pipeline = None  # (group, micro-batches) when this rank is a pipeline stage (distributed/pipeline.py)
+        self._in_flight: set[str] = set()  # requests of steps launched and not yet finished
+        self._drop_later: set[str] = set()  # finished while in flight: their state goes when their step ends
 
     # ---- request state ---------------------------------------------------------------
 
@@ -125,8 +140,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> _Launched | None:
+        """A step's bookkeeping and its forward pass started; finish() samples it. Under pipeline
+        parallelism rank 0 returns with the pass still in flight through the other stages, and the engine
+        may launch the next step (other requests) before finishing this one."""
         self.forward_s = self.sample_s = 0.0  # this step's phases (engine/utilization.py)
-        for rid in sched.finished_request_ids:
+        for rid in sched.finished_request_ids:  # (aborted in flight: dropped when its pass is sampled)
+            if rid in self._in_flight:
+                self._drop_later.add(rid)
+                continue
             self.states.pop(rid, None)
             self.swapped.pop(rid, None)
         for rid, blocks in sched.swap_out:
@@ -136,7 +161,7 @@ class ModelRunner:
         for r in sched.new_requests:
             self._add(r)
         if not sched.scheduled:
-            return ModelRunnerOutput({})
+            return None
 
         # Decodes first, then prefill chunks: attention batches the decode block as one call.
         t0 = time.perf_counter()
@@ -155,14 +180,29 @@ class ModelRunner:
             if s.needs_logits:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
-        logits = self._forward(order, sample_rows + [r for _, r, _ in prompt_rows])
+        logits = self._start_forward(order, sample_rows + [r for _, r, _ in prompt_rows])
+        ids = {s.request_id for s in order}
+        self._in_flight |= ids
+        return _Launched(logits, ids, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def finish(self, step: _Launched | None) -> ModelRunnerOutput:
+        """A launched step's logits (waiting for them if they are in flight) sampled."""
+        if step is None:
+            return ModelRunnerOutput({})
+        t0 = time.perf_counter()
+        logits = step.logits if isinstance(step.logits, torch.Tensor) else self.executor.wait(step.logits)
         if self.device.type == "cuda":  # the kernels are queued: wait for them, or sampling's wait counts them
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        self.forward_s = t1 - t0
+        self.forward_s = step.forward_s + t1 - t0
         try:
-            return self._sample_step(logits, sample_reqs, prompt_rows, sample_rows)
+            return self._sample_step(logits, step.sample_reqs, step.prompt_rows, step.sample_rows)
         finally:
+            self._in_flight -= step.request_ids
+            for rid in self._drop_later & step.request_ids:
+                self.states.pop(rid, None)
+            self._drop_later -= step.request_ids
             self.sample_s = time.perf_counter() - t1
 
     def _sample_step(self, logits: torch.Tensor, sample_reqs: list, prompt_rows: list,
@@ -218,8 +258,13 @@ class ModelRunner:
         return sorted(times[int(warm_up):])[repeats // 2]
 
     def _forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
-        """One forward pass over ``order`` (decodes first), logits for ``logits_rows`` of the flat batch.
-        Under tensor parallelism the driver sends the same pass to every worker first."""
+        """One forward pass over ``order`` (decodes first), logits for ``logits_rows`` of the flat batch."""
+        out = self._start_forward(order, logits_rows)
+        return out if isinstance(out, torch.Tensor) else self.executor.wait(out)
+
+    def _start_forward(self, order: list[ScheduledRequest], logits_rows: list[int]):
+        """The forward pass started: its logits, or on a pipeline's rank 0 the pass in flight. Under tensor
+        or pipeline parallelism the driver sends the same pass to every worker first."""
         if self.executor is not None:
             return self.executor.run_forward(order, logits_rows, self._local_forward)
         return self._local_forward(order, logits_rows)
