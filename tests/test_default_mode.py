@@ -165,6 +165,7 @@ def test_batch_invariance_property_catches_a_broken_kernel(llm_default):
     dense = [p.weight.dequantize(torch.float32) for p in projs]
     try:
         model._fused_layers = lambda *args: None
+        model.set_layer_fusion(False)  # the halves op by op, through the torch paths patched below
         for b in backends:
             b.ops = None
         for p, w in zip(projs, dense):
@@ -172,6 +173,7 @@ def test_batch_invariance_property_catches_a_broken_kernel(llm_default):
         assert invariance_violations(llm_default, trials=6, seed=0) > 0
     finally:
         del model._fused_layers  # the class's method again (an instance attribute would shadow later patches)
+        model.set_layer_fusion(True)
         for b in backends:
             b.ops = cpu_kernels()
         for p in projs:

@@ -271,7 +271,34 @@ def test_one_call_forward_gives_the_layer_by_layer_bits(tmp_path, arch, quantiza
     fused = llm.generate(prompts, sp, use_tqdm=False)
     assert calls and all(calls)  # every step took it, prefill and decode
     model._fused_layers = lambda *args: None
+    model.set_layer_fusion(False)  # every half op by op (the kernels' single ops)
     plain = llm.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("arch,fused", [("qwen3", {(False, True)}), ("qwen2_moe", {(True, False), (True, True)}),
+                                        ("gemma2", {(False, False)}), ("mistral", {(True, True)})])
+def test_a_family_runs_the_fused_halves_its_extras_allow(tmp_path, arch, fused):
+    """One layer definition (DecoderLayer): each half runs as one fused kernel call where it has no extras
+    (Qwen3's q/k norms keep its attention op by op, Qwen2-MoE's experts the MLP of its MoE layers but not
+    of its dense one, Gemma 2's sandwich norms both), and gives the bits of the same half op by op."""
+    from tokenmill import LLM, SamplingParams
+
+    kw = {"sliding_window": None} if arch == "mistral" else {}
+    folder = tm.save_hf_folder(tm.random_hf_model(arch, **kw), tmp_path / "m")
+    # (no prefix caching: the second run must compute the same steps; a MoE's float experts are not batch invariant)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", quantization="int8", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert {tuple(h is not None for h in layer.fused_halves()) for layer in model.layers} == fused
+    prompts = [list(range(3, 3 + n)) for n in (5, 23)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    a = llm.generate(prompts, sp, use_tqdm=False)
+    model.set_layer_fusion(False)
+    assert all(h is None for layer in model.layers for h in layer.fused_halves())
+    b = llm.generate(prompts, sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+

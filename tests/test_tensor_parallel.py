@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import types
 
 import pytest
 import torch
@@ -238,33 +237,28 @@ def test_bytes_all_reduced_per_step(models):
 
 
 def test_the_layer_halves_are_forward_layers_one_call_at_a_time(llm_default, monkeypatch):
-    """A tensor-parallel rank runs the kernels' layer halves (attention_half, mlp_half) one call at a time with
-    the all-reduces between; forward_layers runs the same halves in one call. With a group of one (the
-    all-reduce the identity) the two give the same bits: tokens and logprobs of the real model, default mode."""
+    """A tensor-parallel rank runs each decoder layer as its two fused halves (attention_half, mlp_half: one
+    kernel call each) with the all-reduce between them (DecoderLayer); forward_layers runs the same halves in
+    one call. With a group of one (the all-reduce the identity) the two give the same bits: tokens and
+    logprobs of the real model, default mode."""
     model = llm_default.engine.runner.model
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    ref = llm_default.generate(prompts, params, use_tqdm=False)
     calls = []
+    one_call = type(model)._fused_layers
+    monkeypatch.setattr(model, "_fused_layers", lambda *a: calls.append("one call") or one_call(model, *a))
+    ref = llm_default.generate(prompts, params, use_tqdm=False)
+    assert calls and all(a is not None and m is not None for a, m in (layer.fused_halves() for layer in model.layers))
 
     class Alone:  # a tensor-parallel group of one
         def all_reduce_(self, x):
             calls.append(x.shape)
             return x
 
-    fused = type(model)._fused_layers
-
-    def halves(self, x, rope_tables, kv_caches, meta):
-        if fused(self, x.clone(), rope_tables, kv_caches, meta) is None:  # (its checks; K/V writes repeat)
-            return None
-        weights, fmts = self._layer_stack
-        self.tp = Alone()
-        try:
-            return self._tensor_parallel_layers(x, rope_tables, kv_caches, meta, weights, fmts)
-        finally:
-            self.tp = None
-
-    monkeypatch.setattr(model, "_fused_layers", types.MethodType(halves, model))
+    calls.clear()
+    monkeypatch.setattr(model, "_fused_layers", lambda *a: None)  # a rank with collectives: layer by layer
+    for layer in model.layers:
+        monkeypatch.setattr(layer, "tp", Alone())
     got = llm_default.generate(prompts, params, use_tqdm=False)
     assert calls and len(calls) % (2 * model.cfg.num_layers) == 0  # the halves ran, two all-reduces a layer
     for r, g in zip(ref, got):

@@ -82,13 +82,6 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
-    def is_plain_llama(self) -> bool:
-        """No family extras: the one-call decoder kernel (forward_layers) runs this model."""
-        return not (self.qk_norm or self.clip_qkv or any(self.layer_windows) or self.hidden_act != "silu"
-                    or self.sandwich_norms or self.embed_scale != 1.0 or self.attn_logit_softcap
-                    or self.final_logit_softcap or self.num_experts)
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """cfg: this rank's view under tensor parallelism (its heads); ``tp`` sums o_proj's partial outputs."""
+    """cfg: this rank's view under tensor parallelism (its heads): the output is this rank's partial sum
+    through its o_proj columns, which DecoderLayer all-reduces; ``tp`` serves OLMoE's norm over all heads."""
 
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int, tp=None) -> None:
         super().__init__()
@@ -90,8 +91,7 @@ class Attention(nn.Module):
             q, k = RotaryEmbedding.apply(q, k, *rope_tables)
         o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta,
                                  scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, D]
-        out = self.o_proj(o.reshape(t, self.h * self.d))
-        return out if self.tp is None else self.tp.all_reduce_(out)
+        return self.o_proj(o.reshape(t, self.h * self.d))
 
     def _norm_split_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """OLMoE's RMSNorm over all of q and all of k, with the heads split over the ranks: each rank's
@@ -106,9 +106,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu", tp=None) -> None:
+    """Under tensor parallelism this rank's slice of the width: the output is its partial sum through its
+    down_proj columns (DecoderLayer all-reduces it; a shared expert's joins SparseMoE's)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
-        self.tp = tp  # tensor parallel: this rank's slice of the width; down_proj's partial sums all-reduced
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gelu = act == "gelu_tanh"
@@ -116,17 +118,27 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and not self.gelu:
-            out = self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
-        else:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            out = self.down_proj(act * up)
-        return out if self.tp is None else self.tp.all_reduce_(out)
+            return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
+    """The decoder layer, the model's one definition of it: two halves, each a residual branch (attention:
+    norm, q/k/v, RoPE, the KV cache write, paged attention, o_proj; MLP: norm, gate/up, activation, down),
+    with the family's extras as switches (Gemma 2's sandwich norms around each half, q/k norms, windows,
+    soft-caps, GELU, experts). Under tensor parallelism each half's row-parallel output is all-reduced
+    here, between the half and its residual add (a MoE layer combines across ranks itself: SparseMoE).
+
+    Each half runs as one fused kernel call (``ops.attention_half`` / ``ops.mlp_half``, cpu_kernels.cpp)
+    where it has no extras and its weights are quantized blocks (with a float32 KV cache and float32
+    activations), and op by op otherwise (torch, or the kernels' single ops). LlamaForCausalLM may run
+    every layer's fused halves in one call (``ops.forward_layers``): this loop, in C++."""
+
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, layer: int, tp=None) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, layer, tp)
         # Llama: the norm before the MLP. Gemma 2 (sandwich): the norm of the attention's output, with
@@ -136,7 +148,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.sandwich_norms
-        if cfg.is_moe_layer(layer):
+        self.moe = cfg.is_moe_layer(layer)
+        if self.moe:
             shared = cfg.shared_expert_intermediate_size
             experts = (0, cfg.num_experts) if tp is None else \
                 expert_range(cfg.num_experts, tp.rank, tp.size, tp.expert_parallel)
@@ -151,14 +164,66 @@ class DecoderLayer(nn.Module):
                                  cfg.moe_intermediate_size, cfg.norm_topk_prob,
                                  MLP(cfg.hidden_size, shared) if shared else None, experts=experts, tp=tp)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, tp)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        # the halves the fused kernels can run: no extras (their weights are checked in fused_halves)
+        a = self.self_attn
+        self._plain = (not (cfg.qk_norm or cfg.clip_qkv or a.window or a.softcap or self.sandwich),
+                       not (self.moe or self.mlp.gelu or self.sandwich))
+        self.fuse = True  # LlamaForCausalLM.set_layer_fusion: False runs every half op by op
+        self.ops = None
+        self._halves: tuple | None = None  # fused_halves' answer, kept until the ops or weights change
 
     def forward(self, x, rope_tables, kv, meta):
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope_tables, kv, meta))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attention_half(x, rope_tables, kv, meta)
+        return x + self.mlp_half(x)
+
+    def attention_half(self, x, rope_tables, kv, meta) -> torch.Tensor:
+        """The attention branch's output, to add to the residual stream x."""
+        fused = self.fused_halves()[0] if len(kv) == 2 and x.dtype == torch.float32 else None
+        if fused is not None:
+            a = self.self_attn
+            out = self.ops.attention_half(x, fused[0], fused[1], kv[0], kv[1], rope_tables[0], rope_tables[1],
+                                          meta.slot_mapping, meta.block_tables, meta.seq_of, meta.ctx_lens, a.h,
+                                          a.hkv, a.d, self.input_layernorm.eps, a.scale)
+        else:
+            out = self.self_attn(self.input_layernorm(x), rope_tables, kv, meta)
+        if self.tp is not None:
+            self.tp.all_reduce_(out)
+        return self.post_attention_layernorm(out) if self.sandwich else out
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP branch's output, to add to the residual stream x."""
+        fused = self.fused_halves()[1] if x.dtype == torch.float32 else None
+        if fused is not None:
+            out = self.ops.mlp_half(x, fused[0], fused[1], self.post_attention_layernorm.eps)
+        else:
+            norm = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+            out = self.mlp(norm(x))
+        if self.tp is not None and not self.moe:
+            self.tp.all_reduce_(out)
+        return self.post_feedforward_layernorm(out) if self.sandwich else out
+
+    def fused_halves(self) -> tuple:
+        """(attention, MLP): each half's (weights, kernel formats) for the fused kernels, or None where the
+        half runs op by op (no kernels, fusion off, a family's extras, float weights)."""
+        if self._halves is None:
+            from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear
+
+            def args(norm, lins, extra=()):  # (only q/k/v may have a bias: the kernel takes it as extra)
+                if not all(isinstance(lin, QuantizedLinear) for lin in lins) or any(
+                        lin.bias is not None for lin in lins[len(extra):]):
+                    return None
+                qw = [lin.qweight for lin in lins]
+                return [norm.weight, qw[0], *extra, *qw[1:]], [FORMAT_IDS[lin.fmt] for lin in lins]
+
+            a, m = self.self_attn, self.mlp
+            on = self.ops is not None and self.fuse
+            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.empty(0)
+            self._halves = (args(self.input_layernorm, (a.qkv_proj, a.o_proj), (bias,))
+                            if on and self._plain[0] else None,
+                            args(self.post_attention_layernorm, (m.gate_up_proj, m.down_proj))
+                            if on and self._plain[1] else None)
+        return self._halves
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,67 +260,41 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, ops) -> None:
         """Run RMSNorm, RoPE, SwiGLU and float32-cache attention through fused CPU kernels
-        (``torch.ops.tokenmill``; float32 on the CPU only), or the torch reference code when ``ops`` is None."""
+        (``torch.ops.tokenmill``; float32 on the CPU only), and each decoder layer's halves as one call
+        where they qualify (DecoderLayer), or the torch reference code when ``ops`` is None."""
         for m in self.modules():
             if hasattr(m, "ops"):
                 m.ops = ops
         for layer in self.layers:
             layer.self_attn.backend.ops = ops
+            layer._halves = None
         self._layer_stack = None
 
-    def _layer_weights(self) -> tuple | None:
-        """The per-layer weights and formats ``ops.forward_layers`` takes, or None where the layers are
-        not all quantized (the one-call path runs the integer kernels only)."""
-        from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear
-
-        weights, fmts = [], []
+    def set_layer_fusion(self, on: bool) -> None:
+        """Whether the decoder layers' halves run as fused kernel calls where they qualify (the default),
+        or op by op (tests compare the two)."""
         for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-            if not all(isinstance(lin, QuantizedLinear) for lin in lins) or any(
-                    lin.bias is not None for lin in lins[1:]):
-                return None
-            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.empty(0)
-            weights += [layer.input_layernorm.weight, a.qkv_proj.qweight, bias, a.o_proj.qweight,
-                        layer.post_attention_layernorm.weight, m.gate_up_proj.qweight, m.down_proj.qweight]
-            fmts += [FORMAT_IDS[lin.fmt] for lin in lins]
-        return weights, fmts
+            layer.fuse, layer._halves = on, None
+        self._layer_stack = None
 
     def _fused_layers(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
-        """All decoder layers of a float32-cache step (decodes, prefill chunks or both) on the kernels' one
-        definition of a layer, its attention and MLP halves (cpu_kernels.cpp): in one kernel call
-        (``forward_layers``), without ~20 Python-dispatched ops per layer; under tensor parallelism one
-        call per half, the half's row-parallel output all-reduced between them. None where it does not
-        apply (a quantized KV cache, float weights, a family's extras)."""
-        ops = self.ops
-        if ops is None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches) \
-                or not self.cfg.is_plain_llama:
+        """All decoder layers of a step in one kernel call (``forward_layers``: the layers' fused halves
+        in a C++ loop, without the Python between them), where every half of every layer is fused and
+        there are no collectives between them (one process); None otherwise."""
+        if self.tp is not None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches):
             return None
         if self._layer_stack is None:
-            self._layer_stack = self._layer_weights() or ()
+            halves = [layer.fused_halves() for layer in self.layers]
+            ok = all(a is not None and m is not None for a, m in halves)
+            self._layer_stack = ([w for a, m in halves for w in a[0] + m[0]],
+                                 [f for a, m in halves for f in a[1] + m[1]]) if ok else ()
         if not self._layer_stack:
             return None
         weights, fmts = self._layer_stack
-        cfg = self.cfg
-        if self.tp is not None:
-            return self._tensor_parallel_layers(x, rope_tables, kv_caches, meta, weights, fmts)
-        return ops.forward_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
-                                  rope_tables[0], rope_tables[1], meta.slot_mapping, meta.block_tables,
-                                  meta.seq_of, meta.ctx_lens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  self.norm.eps, cfg.attention_scale)
-
-    def _tensor_parallel_layers(self, x, rope_tables, kv_caches, meta, weights, fmts) -> torch.Tensor:
-        """forward_layers' halves one at a time, each half's partial sum (this rank's heads through its
-        o_proj columns, its MLP width through its down_proj columns) all-reduced before the residual add."""
-        ops, cfg, tp, eps = self.ops, self.cfg, self.tp, self.norm.eps
-        for i, (k_cache, v_cache) in enumerate(kv_caches):
-            w, f = weights[7 * i:7 * i + 7], fmts[4 * i:4 * i + 4]
-            o = ops.attention_half(x, w[:4], f[:2], k_cache, v_cache, rope_tables[0], rope_tables[1],
-                                   meta.slot_mapping, meta.block_tables, meta.seq_of, meta.ctx_lens, cfg.num_heads,
-                                   cfg.num_kv_heads, cfg.head_dim, eps, cfg.attention_scale)
-            x = x + tp.all_reduce_(o)
-            x = x + tp.all_reduce_(ops.mlp_half(x, w[4:], f[2:], eps))
-        return x
+        cfg, a = self.cfg, self.layers[0].self_attn
+        return self.ops.forward_layers(x, weights, fmts, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+                                       rope_tables[0], rope_tables[1], meta.slot_mapping, meta.block_tables,
+                                       meta.seq_of, meta.ctx_lens, a.h, a.hkv, a.d, self.norm.eps, cfg.attention_scale)
 
     def forward(
         self,
