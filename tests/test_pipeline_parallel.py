@@ -206,6 +206,40 @@ def test_tp2_x_pp2_matches_one_process_and_transformers(models, name, quantizati
     assert not any(w.is_alive() for w in core.executor.workers)
 
 
+def _expert_totals(llm) -> list[list[int]]:
+    totals: list[list[int]] = []
+    for st in llm.engine.step_stats:
+        if st.expert_tokens:
+            totals = totals or [[0] * len(c) for c in st.expert_tokens]
+            totals = [[a + b for a, b in zip(t, c)] for t, c in zip(totals, st.expert_tokens)]
+    return totals
+
+
+def test_every_stage_reports_its_experts(models):
+    """The per-expert token counts (/metrics, stats log) cover every stage's layers: the later stages send
+    theirs to rank 0 with each pass. One step at a time they equal one process's; with steps in flight
+    each MoE layer still counts top-k per token computed."""
+    ref, path = models["qwen2_moe"]
+    c = ref.config
+    one = make_llm(path)
+    greedy(one)
+    want = _expert_totals(one)
+    one.shutdown()
+    assert len(want) == c.num_hidden_layers and [] in want  # its dense layer
+    for n in (1, 2):
+        llm = make_llm(path, pp=2, pipeline_batches_in_flight=n)
+        try:
+            greedy(llm)
+            got = _expert_totals(llm)
+            assert [len(x) for x in got] == [len(x) for x in want]
+            tokens = sum(len(p) + N_GEN - 1 for p in PROMPTS)
+            assert all(sum(x) == tokens * c.num_experts_per_tok for x in got if x)
+            if n == 1:
+                assert got == want
+        finally:
+            llm.shutdown()
+
+
 def test_killed_stage_fails_the_next_generate(models):
     _, path = models["llama"]
     llm = make_llm(path, pp=2)

@@ -69,6 +69,7 @@ class TPGroup:
         # pipeline stages: the driver's messages and the forward passes, numbered alike on every rank (tags)
         self.message_seq = self.forward_seq = -1
         self.pending_sends: list = []  # a stage's sends of its last forward pass
+        self.stage_expert_counts: dict[int, list[list[int]]] = {}  # rank 0: later stages' routed tokens
         self.reset_counters()
 
     def reset_counters(self) -> None:

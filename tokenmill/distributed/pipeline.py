@@ -115,21 +115,54 @@ def bubble_fraction(p: int, m: int) -> float:
 
 
 class PendingLogits:
-    """Rank 0's side of a forward pass in flight through the stages: its sends, and the logits rows the
-    last stage will send back. wait() returns the logits once they are all in."""
+    """Rank 0's side of a forward pass in flight through the stages: its sends, the logits rows the last
+    stage will send back and (mixture of experts) each later stage's routed-token counts. wait() returns
+    the logits once they are all in."""
 
-    def __init__(self, group, out: torch.Tensor, recvs: list, sends: list) -> None:
-        self.group, self.out, self.recvs, self.sends = group, out, recvs, sends
+    def __init__(self, group, out: torch.Tensor, recvs: list, sends: list, counts: list) -> None:
+        self.group, self.out, self.recvs, self.sends, self.counts = group, out, recvs, sends, counts
 
     def wait(self) -> torch.Tensor:
         t = time.perf_counter()
         for work, index, part in self.recvs:
             work.wait()
             self.out[index] = part
+        for work, stage, counts in self.counts:
+            work.wait()
+            new = counts.tolist()
+            acc = self.group.stage_expert_counts.setdefault(stage, [[0] * len(new[0]) for _ in new])
+            for row, add in zip(acc, new):
+                row[:] = [a + b for a, b in zip(row, add)]
         for work, _ in self.sends:
             work.wait()
         self.group.recv_wait_s += time.perf_counter() - t
         return self.out
+
+
+EXPERT_COUNTS = 1023  # forward_tag's micro-batch slot for a stage's per-expert counts
+
+
+def _stage_expert_counts(model) -> torch.Tensor:
+    """This stage's tokens routed to each expert since the last call, [layers, experts] (zeros for a dense
+    layer), the counts restarted."""
+    rows = []
+    for layer in model.layers:
+        counts = getattr(layer.mlp, "expert_tokens", None)
+        rows.append(torch.zeros(model.cfg.num_experts, dtype=torch.long) if counts is None else counts.cpu().clone())
+        if counts is not None:
+            counts.zero_()
+    return torch.stack(rows)
+
+
+def later_stages_expert_tokens(model, group) -> list[list[int]]:
+    """Rank 0: the later stages' routed tokens per layer and expert since the last call, in layer order
+    after stage 0's ([] for a dense layer, as LlamaForCausalLM.take_expert_tokens gives them), restarted."""
+    whole, out = model.whole_cfg, []
+    for s in range(1, group.num_stages):
+        first, last = model_stage_layers(whole, s, group.num_stages)
+        counts = group.stage_expert_counts.pop(s, None) or [[0] * whole.num_experts for _ in range(last - first)]
+        out += [row if whole.is_moe_layer(first + i) else [] for i, row in enumerate(counts)]
+    return out
 
 
 def forward_tag(seq: int, micro_batch: int) -> int:
@@ -153,7 +186,13 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
         off += n
     # (the activations' dtype is the norms': a quantized embedding's .weight would dequantize the table)
     hidden, dtype, dev = model.cfg.hidden_size, model.norm.weight.dtype, runner.device
-    recvs = []
+    recvs, counts = [], []
+    experts = model.cfg.num_experts
+    if group.rank == 0 and experts:  # each later stage's routed tokens (/metrics: every layer's)
+        for s in range(1, p):
+            first, last = model_stage_layers(model.whole_cfg, s, p)
+            buf = torch.empty(last - first, experts, dtype=torch.long, device=dev)
+            counts.append((group.irecv(buf, s * t, forward_tag(seq, EXPERT_COUNTS)), s, buf))
     if group.rank == 0:  # posted first: the last stage's sends complete whatever rank 0 is doing then
         vocab = model.cfg.vocab_size
         out = torch.empty(len(logits_rows), vocab, dtype=torch.float32, device=dev)
@@ -181,6 +220,9 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
             if group.rank == (p - 1) * t:
                 sends.append((group.send(logits, 0, forward_tag(seq, k)), logits))
     if group.rank == 0:
-        return PendingLogits(group, out, recvs, sends)
+        return PendingLogits(group, out, recvs, sends, counts)
+    if experts and group.rank % t == 0:  # (a stage's tensor-parallel ranks all count every token)
+        c = _stage_expert_counts(model).to(dev)
+        sends.append((group.send(c, 0, forward_tag(seq, EXPERT_COUNTS)), c))
     group.pending_sends = sends
     return None

@@ -510,7 +510,12 @@ class EngineCore:
 
     def _expert_tokens(self) -> list[list[int]] | None:
         take = getattr(getattr(self.runner, "model", None), "take_expert_tokens", None)
-        return take() if take is not None else None
+        tokens = take() if take is not None else None
+        if tokens is not None and getattr(self.runner, "pipeline", None) is not None:  # the later stages' layers
+            from tokenmill.distributed.pipeline import later_stages_expert_tokens
+
+            tokens += later_stages_expert_tokens(self.runner.model, self.runner.pipeline[0])
+        return tokens
 
     def _output(self, req: Request, result) -> CoreOutput:
         rid = req.request_id

@@ -239,6 +239,7 @@ class LlamaForCausalLM(nn.Module):
         from tokenmill.distributed.pipeline import model_stage_layers, stage_config
         from tokenmill.distributed.sharding import local_config, padded_vocab
 
+        self.whole_cfg = cfg  # the whole model's (a pipeline stage's cfg holds its layers only)
         if tp is not None and tp.pipeline:  # a pipeline stage: its layers, renumbered from 0 (and split
             self.layer_range = model_stage_layers(cfg, tp.stage, tp.num_stages)  # over its tensor group)
             cfg, tp = stage_config(cfg, *self.layer_range), tp.tensor
