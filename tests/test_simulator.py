@@ -74,8 +74,14 @@ def test_pipeline_parallel_roofline_by_hand():
     m4 = RooflineCost(llama3_8b(), load_hardware("h100"), pipeline_parallel_size=2, micro_batches=4)
     assert m4.pipeline_seconds(big)["stage_s"] == pytest.approx(flops / (4 * 2 * 989.4e12))
     assert m4.pipeline_seconds(StepShape(4096, 0, 1, 4096 * 4097 // 2, 4096, 0, 1))["turns"] == 2
-    with pytest.raises(ValueError, match="tensor and pipeline parallelism together"):
-        RooflineCost(llama3_8b(), load_hardware("h100"), tensor_parallel_size=2, pipeline_parallel_size=2)
+    # steps in flight: the first stage takes the next step after its one turn; the step's latency is both
+    # turns and the transfers
+    assert m1.pipeline_times(s) == pytest.approx((m1.pipeline_seconds(s)["stage_s"], m1(s)))
+    # tensor x pipeline, 2 x 2 H100s: a stage's turn splits its weights and KV over its 2 devices and adds
+    # their all-reduces over its 16 layers (8 tokens x 4096 bf16)
+    both = RooflineCost(llama3_8b(), load_hardware("h100"), tensor_parallel_size=2, pipeline_parallel_size=2)
+    ring = 2 * 1 / 2 * 8 * 4096 * 2 / 450e9 + 2 * 5e-6
+    assert both.pipeline_seconds(s)["stage_s"] == pytest.approx((weights / 2 + kv / 2) / (2 * 3.35e12) + 32 * ring)
 
 
 def test_roofline_of_the_embedded_model_by_hand(gguf_path):
@@ -341,3 +347,30 @@ def test_ten_thousand_requests_simulate_in_under_a_minute():
     out = Simulator(cost, SchedulerConfig(max_num_batched_tokens=8192), 30_000, 16, 8192).run(reqs, arrivals)
     assert time.perf_counter() - t < 60
     assert sum(r.success for r in out.results) == 10_000
+
+
+def test_steps_in_flight_across_pipeline_stages():
+    """The engine's default under pipeline parallelism, simulated: N = 2 steps in flight, the scheduler's
+    two lanes taking turns. Stage 0 is free 1 s after a step starts; a step comes back 2.5 s after it
+    starts (and after the one before it plus a turn: stages run steps in order). Lane 0's requests start at
+    0, lane 1's at 1; each gets a token every 2.5 s (the latency, above N turns)."""
+
+    class Stages:
+        def __call__(self, shape):
+            raise AssertionError("steps in flight take pipeline_times")
+
+        def pipeline_times(self, shape):
+            return 1.0, 2.5
+
+    reqs = [SampleRequest("", 16, 5) for _ in range(4)]
+    out = Simulator(Stages(), SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                    steps_in_flight=2).run(reqs, [0.0] * 4)
+    lanes = [set(rid for rid, _ in st.scheduled) for st in out.steps]
+    assert lanes[0] == {"0", "1"} and lanes[1] == {"2", "3"} and all(lane in lanes[:2] for lane in lanes)
+    assert [st.start for st in out.steps[:4]] == [0.0, 1.0, 2.5, 3.5]
+    for k, r in enumerate(out.results):
+        assert r.ttft_s == pytest.approx(2.5 if k < 2 else 3.5)
+        assert r.itl_s == pytest.approx([2.5] * 4)
+    with pytest.raises(ValueError, match="steps in flight need a pipeline-parallel roofline"):
+        Simulator(lambda shape: 1.0, SchedulerConfig(), 64, 16, 1024, steps_in_flight=2)
+

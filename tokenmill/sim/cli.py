@@ -27,9 +27,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="bf16", help="roofline: KV cache element (bf16, fp8, int8; default bf16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="roofline: devices per replica (default 1)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
-                   help="roofline: pipeline stages per replica, one device each (default 1)")
-    g.add_argument("--pipeline-micro-batches", type=int, default=0,
-                   help="roofline: micro-batches a step is cut into across the stages (default: the stages)")
+                   help="roofline: pipeline stages per replica, each of --tensor-parallel-size devices (default 1)")
+    g.add_argument("--pipeline-batches-in-flight", type=int, default=0,
+                   help="roofline: steps in flight across the stages, as the engine's flag (default: the stages; "
+                        "1: one step at a time)")
+    g.add_argument("--pipeline-micro-batches", type=int, default=1,
+                   help="roofline: micro-batches each step is cut into across the stages (default 1)")
     g.add_argument("--step-time-scale", type=float, default=1.0,
                    help="multiply every step time by this: a loaded server's observed/predicted ratio "
                         "(its tokenmill:step_time_ratio gauge) carries a profile over to serving (default 1)")
@@ -194,8 +197,13 @@ def build(a: argparse.Namespace):  # noqa: ANN201
         what += (f"; disaggregated {dis.prefill}:{dis.decode} (prefill:decode instances), "
                  f"{transfer_token:.0f} B of KV a token over an instance's {dis.link_bandwidth * 8 / 1e9:g} Gb/s "
                  f"link + {dis.link_latency * 1e6:g} us a transfer")
+    in_flight = 1
+    if hw is not None and a.pipeline_parallel_size > 1:
+        in_flight = a.pipeline_batches_in_flight or a.pipeline_parallel_size
+        if in_flight > 1:
+            what += f"; {in_flight} steps in flight across {a.pipeline_parallel_size} stages"
     sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True,
-                    spec=spec, disaggregation=dis)
+                    spec=spec, disaggregation=dis, steps_in_flight=in_flight)
     return cost, sim, what, kv_token
 
 

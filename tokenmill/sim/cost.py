@@ -12,12 +12,16 @@ MLP width I, vocabulary V, over a step of T tokens of which S are sampled:
   tensor parallel (a ring: 2 (n - 1) / n of the bytes over the link, plus a latency per hop) + overhead.
 
 Pipeline parallel, P stages of L / P layers and a step cut into m micro-batches (distributed/pipeline.py,
-GPipe-style within the step): a stage's turn on one micro-batch reads the stage's weights (1/P of them)
-and does 1/(m P) of the step's FLOPs and KV traffic, so stage = max(FLOPs / (m P peak), (weights / P +
-KV / (m P)) / bandwidth); the step takes (m + P - 1) such turns, of which (P - 1) are the bubble, plus the
-last micro-batch's hidden states over P - 1 links (T / m x d activations each) and its logits back to the
-first stage (S / m x V x 4 bytes), each with the link's latency. Every micro-batch past the first reads
-the weights again: micro-batching shrinks the bubble and costs bandwidth, which the formula shows.
+GPipe-style within the step; default m = 1): a stage's turn on one micro-batch reads the stage's weights
+(1/P of them) and does 1/(m P) of the step's FLOPs and KV traffic, so stage = max(FLOPs / (m P peak),
+(weights / P + KV / (m P)) / bandwidth), each divided over a stage's T tensor-parallel devices, plus their
+all-reduces over the stage's L / P layers; a step alone takes (m + P - 1) such turns, of which (P - 1) are
+the bubble, plus the last micro-batch's hidden states over P - 1 links (T / m x d activations each) and its
+logits back to the first stage (S / m x V x 4 bytes), each with the link's latency. Every micro-batch past
+the first reads the weights again: micro-batching shrinks the bubble and costs bandwidth. With N steps in
+flight (the engine's default N = P, each of other requests: the scheduler's lanes) the first stage takes
+the next step after its m turns on this one (``pipeline_times``), so in the steady state no stage idles and
+a request's tokens come every max(latency, N x m turns).
 
 Speculative decoding, k drafts per decoding request, each accepted i.i.d. with probability A:
 - verification: the target's step carries 1 + k tokens per decoding request, each with logits, at the
@@ -104,10 +108,8 @@ class RooflineCost:
         for name, v in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size)):
             if v < 1:
                 raise ValueError(f"{name} parallel size must be >= 1, got {v}")
-        if tensor_parallel_size > 1 and pipeline_parallel_size > 1:
-            raise ValueError("tensor and pipeline parallelism together are not modelled (nor built)")
         self.cfg, self.hw, self.tp = cfg, hw, tensor_parallel_size
-        self.pp, self.micro_batches = pipeline_parallel_size, micro_batches or pipeline_parallel_size
+        self.pp, self.micro_batches = pipeline_parallel_size, micro_batches or 1
         self.peak = hw.flops(compute_dtype)
         self.bandwidth = hw.memory_bandwidth * hw.bandwidth_efficiency
         self.linear_params = (cfg.num_layers * layer_params(cfg, active=False)
@@ -122,13 +124,15 @@ class RooflineCost:
     def bytes(self, s: StepShape) -> float:
         return step_bytes(self.weight_bytes, self.kv_token_bytes, s)
 
-    def allreduce_seconds(self, s: StepShape) -> float:
+    def allreduce_seconds(self, s: StepShape, tokens: float | None = None, layers: float | None = None) -> float:
+        """Tensor parallelism's 2 ring all-reduces a layer of ``tokens`` (the step's) x d activations, over
+        ``layers`` (all of them)."""
         if self.tp == 1:
             return 0.0
         n, link = self.tp, self._link()
-        size = s.tokens * self.cfg.hidden_size * self.act_bytes
+        size = (s.tokens if tokens is None else tokens) * self.cfg.hidden_size * self.act_bytes
         one = 2 * (n - 1) / n * size / link + 2 * (n - 1) * self.hw.interconnect_latency
-        return 2 * self.cfg.num_layers * one
+        return 2 * (self.cfg.num_layers if layers is None else layers) * one
 
     def _link(self) -> float:
         if self.hw.interconnect_bandwidth <= 0:
@@ -138,19 +142,28 @@ class RooflineCost:
     def pipeline_seconds(self, s: StepShape) -> dict[str, float]:
         """One stage's turn on one micro-batch, and the transfers on the step's critical path."""
         p, m = self.pp, min(self.micro_batches, max(s.num_seqs, 1))  # whole requests per micro-batch
-        compute = self.flops(s) / (m * p * self.peak)
-        memory = (self.weight_bytes / p + (self.bytes(s) - self.weight_bytes) / (m * p)) / self.bandwidth
+        compute = self.flops(s) / (m * p * self.peak * self.tp)
+        memory = (self.weight_bytes / p + (self.bytes(s) - self.weight_bytes) / (m * p)) / (self.bandwidth * self.tp)
+        reduce = self.allreduce_seconds(s, s.tokens / m, self.cfg.num_layers / p)  # a stage's TP ranks
         link, lat = self._link(), self.hw.interconnect_latency
         comm = ((p - 1) * (s.tokens / m * self.cfg.hidden_size * self.act_bytes / link + lat)
                 + s.sampled / m * self.cfg.vocab_size * 4 / link + lat)
-        return {"stage_s": max(compute, memory), "turns": m + p - 1, "comm_s": comm,
-                "compute_s": compute * m * p, "memory_s": memory * m * p}
+        return {"stage_s": max(compute, memory) + reduce, "turns": m + p - 1, "comm_s": comm, "micro_batches": m,
+                "compute_s": compute * m * p, "memory_s": memory * m * p, "reduce_s": reduce * m * p}
+
+    def pipeline_times(self, s: StepShape) -> tuple[float, float]:
+        """Steps in flight (engine/core.py): (the first stage's turns on this step, after which it takes
+        the next one; the step's latency through every stage and back). The engine's per-step overhead is
+        the first stage's (rank 0 schedules and samples)."""
+        pl = self.pipeline_seconds(s)
+        over = self.hw.step_overhead
+        return pl["micro_batches"] * pl["stage_s"] + over, pl["turns"] * pl["stage_s"] + pl["comm_s"] + over
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         if self.pp > 1:
             pl = self.pipeline_seconds(s)
             return {"compute_s": pl["compute_s"] / self.pp, "memory_s": pl["memory_s"] / self.pp,
-                    "comm_s": pl["comm_s"], "bubble_s": (self.pp - 1) * pl["stage_s"],
+                    "comm_s": pl["comm_s"] + pl["reduce_s"] / self.pp, "bubble_s": (self.pp - 1) * pl["stage_s"],
                     "seconds": pl["turns"] * pl["stage_s"] + pl["comm_s"] + self.hw.step_overhead}
         compute = self.flops(s) / (self.peak * self.tp)
         memory = self.bytes(s) / (self.bandwidth * self.tp)
@@ -177,6 +190,10 @@ class ScaledCost:
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         return {k: self.scale * v for k, v in self.inner.breakdown(s).items()}
+
+    def pipeline_times(self, s: StepShape) -> tuple[float, float]:
+        turn, latency = self.inner.pipeline_times(s)
+        return self.scale * turn, self.scale * latency
 
 
 # ---- prefill/decode disaggregation ------------------------------------------------------------------

@@ -41,6 +41,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -152,9 +153,25 @@ class _Instance:
         self.now = 0.0
         self.sched.clock = lambda: self.now
         self.inbox: list[tuple] = []  # ("new", k, prompt ids) | ("sent", k) | ("received", k, error)
-        self.step = None  # (scheduler output, shape, seconds, of which drafting, start, producer's counts)
-        self.busy_until = math.inf
+        # the steps running, oldest first: (scheduler output, shape, seconds, of which drafting, start,
+        # producer's counts, end); more than one with pipeline parallelism's steps in flight
+        self.flight: deque[tuple] = deque()
+        self.max_flight = sim.steps_in_flight
+        if self.max_flight > 1:
+            self.sched.lanes = self.max_flight  # the engine's lanes: one per step in flight
+        self.stage_free = 0.0  # when the first stage can take the next step
+        self.stalled = False  # steps in flight and nothing else to schedule: wait for one to end
         self.steps: list[SimStep] = []
+
+    def next_time(self) -> float:
+        """When this instance's next step ends, or (steps in flight) when it may launch another."""
+        t = self.flight[0][-1] if self.flight else math.inf
+        if self.flight and len(self.flight) < self.max_flight and not self.stalled:
+            t = min(t, self.stage_free)
+        return t
+
+    def may_launch(self, t: float) -> bool:
+        return len(self.flight) < self.max_flight and self.stage_free <= t and self.has_work
 
     @property
     def has_work(self) -> bool:
@@ -170,7 +187,13 @@ class Simulator:
     def __init__(self, cost: Callable[[StepShape], float], scheduler: SchedulerConfig, num_blocks: int,
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  keep_breakdown: bool = False, spec: SpecDecoding | None = None,
-                 disaggregation: Disaggregation | None = None) -> None:
+                 disaggregation: Disaggregation | None = None, steps_in_flight: int = 1) -> None:
+        """steps_in_flight > 1: pipeline parallelism's steps in flight (``--pipeline-batches-in-flight``);
+        the cost model then gives each step's ``pipeline_times`` (the first stage's turn, the latency)."""
+        if steps_in_flight > 1 and not hasattr(cost, "pipeline_times"):
+            raise ValueError("steps in flight need a pipeline-parallel roofline cost model (--hardware with "
+                             "--pipeline-parallel-size > 1)")
+        self.steps_in_flight = steps_in_flight
         self.cost, self.config = cost, scheduler
         self.num_blocks, self.block_size, self.max_model_len = num_blocks, block_size, max_model_len
         self.enable_prefix_caching, self.keep_breakdown = enable_prefix_caching, keep_breakdown
@@ -235,7 +258,7 @@ class _Run:
         order = np.argsort(np.asarray(arrivals, dtype=float), kind="stable")
         i, n = 0, len(requests)
         while True:
-            t = min(x.busy_until for x in insts)
+            t = min(x.next_time() for x in insts)
             if i < n:
                 t = min(t, float(arrivals[order[i]]))
             if self.landing:
@@ -243,7 +266,7 @@ class _Run:
             if math.isinf(t):
                 break
             for x in insts:  # 1. steps that end now
-                if x.busy_until == t:
+                while x.flight and x.flight[0][-1] == t:
                     self._end_step(x)
             while i < n and arrivals[order[i]] <= t:  # 2. arrivals, to the least loaded front instance
                 k = int(order[i])
@@ -251,12 +274,15 @@ class _Run:
                 r = requests[k]
                 ids = (list(r.prompt_ids) if r.prompt_ids else
                        self.rng.integers(100, 30000, max(r.prompt_len, 1)).tolist())
-                min(self.front, key=lambda y: y.load).inbox.append(("new", k, ids))
+                front = min(self.front, key=lambda y: y.load)
+                front.inbox.append(("new", k, ids))
+                front.stalled = False
             while self.landing and self.landing[0][0] <= t:  # ... and the transfers that ended
                 _, _, d, item = heapq.heappop(self.landing)
                 insts[d].inbox.append(item)
-            for x in insts:  # 3. idle instances with work start a step
-                if x.busy_until == math.inf and x.has_work:
+                insts[d].stalled = False
+            for x in insts:  # 3. idle instances with work (or room for another step in flight) start a step
+                if x.may_launch(t):
                     x.now = max(x.now, t)
                     self._take_in(x)
                     self._start_step(x)
@@ -325,8 +351,15 @@ class _Run:
         for recv in out.kv_recv:
             self._pull(x, recv)
         if out.is_empty:
+            x.stalled = bool(x.flight)
             return
         shape = StepShape.of(out)
+        if x.max_flight > 1:  # pipeline stages: the first is free after its turn, the step ends P turns on
+            turn, dt = sim.cost.pipeline_times(shape)
+            x.stage_free = x.now + turn
+            end = max(x.now + dt, x.flight[-1][-1] + turn if x.flight else 0.0)  # (stages run steps in order)
+            x.flight.append((out, shape, end - x.now, 0.0, x.now, None, end))
+            return
         dt = sim.cost(shape)
         draft_s = 0.0
         if x.proposer is not None and sim.spec.drafter is not None:
@@ -336,8 +369,7 @@ class _Run:
             x.sched.planner.observe(shape, dt)
         # a producer's batch and pool are counted during its steps (its requests leave when their prefill ends)
         during = (len(x.sched.running), x.kv.num_blocks - x.kv.num_free_blocks) if x.role == "prefill" else None
-        x.step = (out, shape, dt, draft_s, x.now, during)
-        x.busy_until = x.now + dt
+        x.flight.append((out, shape, dt, draft_s, x.now, during, x.now + dt))
 
     def _pull(self, x: _Instance, recv) -> None:  # noqa: ANN001 -- a core.scheduler.KVRecv
         """A decode instance asks for a request's KV: prompt tokens [first_block x block_size, n - 1) move
@@ -357,8 +389,8 @@ class _Run:
         its accepted drafts and one more); a producer's finished prefills go to the least loaded decode
         instance (as the router sends them on when the producer answers)."""
         sim, spec = self.sim, self.sim.spec
-        out, shape, dt, draft_s, start, during = x.step
-        x.now, x.step, x.busy_until = x.busy_until, None, math.inf
+        out, shape, dt, draft_s, start, during, end = x.flight.popleft()
+        x.now, x.stalled = max(x.now, end), False
         if x.proposer is None:
             sampled = {s.request_id: [SIM_TOKEN] for s in out.scheduled if s.needs_logits}
         else:
