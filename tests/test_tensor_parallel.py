@@ -157,10 +157,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_torchrun_machines_serve_the_single_process_output(models):
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_torchrun_machines_serve_the_single_process_output(models, split):
     """--distributed-executor-backend external_launcher: two "machines" on loopback, each `torchrun --nnodes 2
     --nproc-per-node 1` running the same `tokenmill generate` (env:// rendezvous); rank 0 prints what one
-    process prints, rank 1 serves its forward passes and exits 0 when rank 0's engine shuts down."""
+    process prints, rank 1 serves its forward passes (its shard, or its pipeline stage with steps in
+    flight) and exits 0 when rank 0's engine shuts down."""
     import subprocess
     import sys
 
@@ -174,7 +176,7 @@ def test_two_torchrun_machines_serve_the_single_process_output(models):
     port = str(free_port())
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", port, *args,
-                               "--tensor-parallel-size", "2", "--distributed-executor-backend", "external_launcher"],
+                               split, "2", "--distributed-executor-backend", "external_launcher"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     try:
         outs = [n.communicate(timeout=300) for n in nodes]
