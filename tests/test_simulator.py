@@ -48,6 +48,19 @@ def test_roofline_of_a_llama3_8b_decode_step_by_hand():
     assert tp.breakdown(big)["compute_s"] == pytest.approx(cost.breakdown(big)["compute_s"] / 2)
 
 
+def test_fp8_compute_by_hand():
+    """--compute-dtype fp8 (W8A8): a compute-bound prefill takes the fp8 peak (1,978.9 TFLOP/s on an H100,
+    twice bf16's); activations between devices stay bf16; a GPU without an fp8 peak says which it has."""
+    s = StepShape(4096, 0, 1, 4096 * 4097 // 2, 4096, 0, 1)
+    bf16 = RooflineCost(llama3_8b(), load_hardware("h100"), "fp8", "fp8")
+    fp8 = RooflineCost(llama3_8b(), load_hardware("h100"), "fp8", "fp8", "fp8", tensor_parallel_size=2)
+    assert fp8.breakdown(s)["compute_s"] == pytest.approx(bf16.flops(s) / (2 * 1978.9e12))
+    assert fp8.breakdown(s)["compute_s"] == pytest.approx(bf16.breakdown(s)["compute_s"] / 4, rel=1e-4)  # 2 devices
+    assert fp8.act_bytes == 2
+    with pytest.raises(ValueError, match="A100 80GB SXM has no fp8 peak in its profile"):
+        RooflineCost(llama3_8b(), load_hardware("a100"), compute_dtype="fp8")
+
+
 def test_pipeline_parallel_roofline_by_hand():
     """PP=2 on two H100s, a decode step of 8 requests at context 1000: m micro-batches each read a stage's
     weights (half of them) again, the step takes m + 1 stage turns (one is the bubble), and the last

@@ -25,6 +25,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                         "--hardware)")
     g.add_argument("--weight-dtype", default="bf16", help="roofline: weight bytes (bf16, fp8, int8, int4; default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="roofline: KV cache element (bf16, fp8, int8; default bf16)")
+    g.add_argument("--compute-dtype", default="bf16",
+                   help="roofline: the matmuls' dtype, whose peak FLOP/s the compute time takes (bf16, fp16, fp8 or "
+                        "int8 where the hardware has it, fp32; default bf16; fp8: W8A8 as TensorRT-LLM and vLLM run "
+                        "fp8 checkpoints)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="roofline: devices per replica (default 1)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1,
                    help="roofline: pipeline stages per replica, each of --tensor-parallel-size devices (default 1)")
@@ -151,13 +155,14 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     else:
         hw = load_hardware(a.hardware)
         devices = a.tensor_parallel_size * a.pipeline_parallel_size
-        cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, tensor_parallel_size=a.tensor_parallel_size,
-                            pipeline_parallel_size=a.pipeline_parallel_size, micro_batches=a.pipeline_micro_batches)
+        cost = RooflineCost(cfg, hw, a.weight_dtype, a.kv_dtype, a.compute_dtype,
+                            tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+                            micro_batches=a.pipeline_micro_batches)
         kv_token = transfer_token = cost.kv_token_bytes
         pool = 0.9 * hw.memory_bytes * devices - cost.weight_bytes
         if draft_cfg is not None:  # its own roofline; its KV rides on the target's blocks, as in the engine
             drafter = RooflineCost(draft_cfg, hw, a.speculative_weight_dtype or a.weight_dtype, a.kv_dtype,
-                                   tensor_parallel_size=a.tensor_parallel_size)
+                                   a.compute_dtype, tensor_parallel_size=a.tensor_parallel_size)
             kv_token += drafter.kv_token_bytes
             pool -= drafter.weight_bytes
         if pool <= 0:

@@ -116,7 +116,9 @@ class RooflineCost:
                               + cfg.hidden_size * cfg.vocab_size)  # + LM head
         self.weight_bytes = self.linear_params * DTYPE_BYTES[weight_dtype]
         self.kv_token_bytes = kv_bytes_per_token(cfg, kv_dtype)
-        self.act_bytes = DTYPE_BYTES[compute_dtype]
+        # activations between layers and devices stay 16-bit where the matmuls run in fp8/int8 (W8A8
+        # quantizes each GEMM's input, its output and the residual stream are bf16)
+        self.act_bytes = DTYPE_BYTES[compute_dtype] if compute_dtype in ("fp32", "bf16", "fp16") else 2
 
     def flops(self, s: StepShape) -> float:
         return step_flops(self.cfg, s)
