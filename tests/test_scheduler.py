@@ -763,3 +763,61 @@ def test_one_token_prompt_counts_as_prefill():
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (1, 0)
     out, _ = step(sched, runner)
     assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 1)
+
+
+# ---- steps in flight (pipeline parallelism: engine/core.py) -------------------------------------
+
+
+def _sampled(out: SchedulerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput({s.request_id: [fake_token(s.request_id, 0)] for s in out.scheduled if s.needs_logits})
+
+
+def test_lanes_take_turns_and_top_each_other_up():
+    """Two lanes: the first step admits half the requests, the next the other half; a lane whose requests
+    all ended is topped up from the other's requests not in flight; a step never holds a request in flight."""
+    s = make_scheduler(max_num_batched_tokens=256)
+    s.lanes = 2
+    for k in range(4):
+        s.add_request(make_request(f"r{k}", 6, max_tokens=50))
+    a = s.schedule()
+    b = s.schedule()
+    ids = lambda out: {x.request_id for x in out.scheduled}  # noqa: E731
+    assert ids(a) == {"r0", "r1"} and ids(b) == {"r2", "r3"} and s.in_flight == {"r0", "r1", "r2", "r3"}
+    assert s.schedule().is_empty  # everyone in flight
+    with pytest.raises(ValueError, match="already in use"):
+        s.finish_request("r2", RequestStatus.FINISHED_ABORTED)
+        s.add_request(make_request("r2", 6))  # its step is still in flight
+    s.finish_request("r3", RequestStatus.FINISHED_ABORTED)
+    s.update_from_output(a, _sampled(a))
+    s.update_from_output(b, _sampled(b))
+    assert not s.in_flight
+    # lane 1 lost both its requests; its turn takes one of lane 0's (the other stays for lane 0's turn)
+    c, d = s.schedule(), s.schedule()
+    assert len(c.scheduled) == len(d.scheduled) == 1 and ids(c) | ids(d) == {"r0", "r1"}
+
+
+def test_a_request_waits_for_blocks_held_in_flight_rather_than_preempt_itself():
+    """Blocks run out while the request after it in preemption order is in flight: it is not preempted
+    (losing its KV while a lower-priority request keeps its own); once that step is applied, the usual
+    preemption takes the last request."""
+    s = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    s.lanes = 2
+    s.add_request(make_request("first", 8, max_tokens=12))
+    s.add_request(make_request("second", 8, max_tokens=4))
+    a = s.schedule()  # lane 0: first's prompt (2 blocks)
+    b = s.schedule()  # lane 1: second's prompt (2 blocks), kept in flight below
+    assert [x.request_id for x in a.scheduled] == ["first"] and [x.request_id for x in b.scheduled] == ["second"]
+    s.update_from_output(a, _sampled(a))
+    for _ in range(4):  # first decodes positions 8-11 into the last free block; lane 1 has nothing free
+        a = s.schedule()
+        assert [x.request_id for x in a.scheduled] == ["first"]
+        s.update_from_output(a, _sampled(a))
+    out = s.schedule()  # first needs a fourth block: only second's in-flight blocks could give it one
+    assert out.is_empty and not out.preempted_request_ids
+    assert [r.request_id for r in s.running] == ["first", "second"] and s.in_flight == {"second"}
+    s.update_from_output(b, _sampled(b))
+    out = s.schedule()  # lane 1's turn: second needs a block too, and is the last: it goes
+    assert out.preempted_request_ids == ["second"] and not out.scheduled
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled] == ["first"]
+    s.kv_cache.check_invariants()

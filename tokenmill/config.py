@@ -212,6 +212,7 @@ class SpeculativeConfig:
 
 # --distributed-executor-backend: tokenmill starts the ranks itself (mp), or torchrun did (external_launcher)
 DISTRIBUTED_BACKENDS = ("mp", "external_launcher")
+MAX_MICRO_BATCHES = 1000  # (distributed/pipeline.py's forward_tag has 1,024 slots a pass, one for expert counts)
 ALL2ALL_BACKENDS = ("allreduce", "alltoall")  # how a MoE layer's tokens reach the experts' ranks
 
 
@@ -250,8 +251,9 @@ class ParallelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{flag} must be a positive integer, got {v!r}")
         m = self.pipeline_micro_batches
-        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
-            raise ValueError(f"--pipeline-micro-batches must be a positive integer (0: one), got {m!r}")
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= MAX_MICRO_BATCHES:
+            raise ValueError(f"--pipeline-micro-batches must be a positive integer up to {MAX_MICRO_BATCHES} "
+                             f"(0: one), got {m!r}")
         n = self.pipeline_batches_in_flight
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"--pipeline-batches-in-flight must be a positive integer (0: the pipeline size), "

@@ -196,7 +196,7 @@ class Scheduler:
                    self.kv_cache.block_size, self.config)
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.in_flight:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.request_id] = request
@@ -314,6 +314,7 @@ class Scheduler:
         # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
         # drafting request reserves slots for its drafts now; they are proposed once all are known.
         lane = self._next_lane()
+        starved = False  # a running request waits for blocks that requests in flight hold
         drafting: list[tuple[Request, int]] = []
         # the batch drafts are priced at: the running requests and those about to join them
         batch = min(len(self.running) + len(self.waiting), max_running)
@@ -321,7 +322,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.request_id in self.in_flight or self._lane_of.get(req.request_id, lane) != lane:
+            if req.request_id in self.in_flight or self._lane_of.get(req.request_id, 0) != lane:
                 i += 1  # its step is in flight, or this step is another lane's
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -330,8 +331,9 @@ class Scheduler:
                 room = 0  # drafts never preempt anyone: without room for them, the request just decodes
             num_new += room
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
-                victim = self._pop_victim()  # the policy's last: fcfs most recent, priority least urgent
+                victim = self._pop_victim(i)  # the policy's last: fcfs most recent, priority least urgent
                 if victim is None:  # only requests in flight could give blocks back: wait for them
+                    starved = True
                     break
                 self._preempt(victim, out)
                 if victim is req:
@@ -351,8 +353,8 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
         lane_cap = -(-(len(self.running) + len(self.waiting)) // self.lanes)  # requests a lane may hold
-        lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id) == lane)
-        while self.waiting and not out.preempted_request_ids and budget > 0:
+        lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id, 0) == lane)
+        while self.waiting and not out.preempted_request_ids and not starved and budget > 0:
             if len(self.running) + len(self.waiting_for_kv) >= max_running:
                 break
             if self.lanes > 1 and lane_size >= lane_cap:
@@ -461,15 +463,40 @@ class Scheduler:
             out.num_prefill_tokens += num_new
 
     def _next_lane(self) -> int:
-        lane = self._lane
-        self._lane = (lane + 1) % self.lanes
+        """The lane this step takes: the next in turn, topped up from the other lanes' requests not in flight
+        where the lanes drifted apart as requests ended; if it has nothing to run, the next lane in turn
+        that has (waiting requests join whichever lane runs)."""
+        n, lane = self.lanes, self._lane
+        if n > 1:
+            self._balance(lane)
+            free = {self._lane_of.get(r.request_id, 0) for r in self.running if r.request_id not in self.in_flight}
+            if lane not in free:
+                lane = next((x % n for x in range(lane + 1, lane + n) if x % n in free), lane)
+        self._lane = (lane + 1) % n
         return lane
 
-    def _pop_victim(self) -> Request | None:
-        """The last running request not in flight, taken out of running; None if there is none."""
-        for j in range(len(self.running) - 1, -1, -1):
+    def _balance(self, lane: int) -> None:
+        """Move requests not in flight from lanes above their share (running / lanes) into ``lane`` below it."""
+        size = [0] * self.lanes
+        for r in self.running:
+            size[self._lane_of.get(r.request_id, 0)] += 1
+        share = len(self.running) // self.lanes
+        for r in reversed(self.running):
+            if size[lane] >= share:
+                return
+            other = self._lane_of.get(r.request_id, 0)
+            if other != lane and size[other] > share and r.request_id not in self.in_flight:
+                self._lane_of[r.request_id] = lane
+                size[other] -= 1
+                size[lane] += 1
+
+    def _pop_victim(self, i: int) -> Request | None:
+        """The request to preempt for running[i]: the last after it not in flight, else running[i] itself
+        if nothing after it is in flight (taken out of running); None while requests after it are in
+        flight (their steps will free or grow their blocks: running[i] waits rather than lose its KV)."""
+        for j in range(len(self.running) - 1, i - 1, -1):
             if self.running[j].request_id not in self.in_flight:
-                return self.running.pop(j)
+                return None if j == i < len(self.running) - 1 else self.running.pop(j)
         return None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

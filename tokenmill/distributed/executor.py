@@ -223,8 +223,9 @@ class ExternalLauncherExecutor(TPExecutor):
 
 def _send_stop(group: TPGroup) -> None:
     try:
+        deadline = time.monotonic() + STOP_WAIT_S
         for work, _ in post_message(group, _encoder.encode(Stop())):  # (stages finish their passes first)
-            work.wait(datetime.timedelta(seconds=STOP_WAIT_S))
+            work.wait(datetime.timedelta(seconds=max(0.1, deadline - time.monotonic())))
     except RuntimeError:  # a rank is gone already
         pass
 
@@ -237,7 +238,7 @@ def post_message(group: TPGroup, data: bytes) -> list:
         group.broadcast_bytes(data)
         return []
     group.message_seq += 1
-    return [ws for r in range(1, group.size) for ws in group.send_message(data, r, group.message_seq)]
+    return group.send_message(data, list(range(1, group.size)), group.message_seq)
 
 
 def receive_message(group: TPGroup) -> bytes:

@@ -61,6 +61,12 @@ class TPGroup:
         self.compute = _new_group(dist.PrefixStore("compute/", store), rank, size, device,
                                   datetime.timedelta(seconds=compute_timeout_s()))
         self.control = _new_group(dist.PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
+        # Pipeline stages: what goes back to rank 0 (logits, expert counts) on a group of its own, so that
+        # each direction keeps its order on a communicator of its own (NCCL matches a pair's sends and
+        # receives in the order they are posted, whatever their tags; rank 0 posts a step's receives
+        # before it sends the step on)
+        self.back = _new_group(dist.PrefixStore("back/", store), rank, size, device,
+                               datetime.timedelta(seconds=compute_timeout_s())) if pipeline else None
         self.store = store  # (kept alive: the groups rendezvous through it)
         # pipeline parallelism (pipeline=True; set by executor.new_group): this rank's stage of how many, and
         # the group of its stage's tensor-parallel ranks (None with one rank a stage). Global rank =
@@ -78,12 +84,13 @@ class TPGroup:
         self.all_to_all_bytes = self.all_to_all_calls = 0  # expert parallelism's dispatch and combine
         self.recv_wait_s = 0.0  # time blocked in recv: a pipeline stage's idle share (the bubble)
 
-    def send(self, x: torch.Tensor, dst: int, tag: int):
-        """Start sending ``x`` to rank ``dst`` (point to point); the returned work's wait() completes it."""
+    def send(self, x: torch.Tensor, dst: int, tag: int, back: bool = False):
+        """Start sending ``x`` to rank ``dst`` (point to point; ``back``: to rank 0, on the return group);
+        the returned work's wait() completes it."""
         x = x.contiguous()
         self.send_bytes += x.numel() * x.element_size()
         self.send_calls += 1
-        return self.compute.send([x], dst, tag)
+        return (self.back if back else self.compute).send([x], dst, tag)
 
     def recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Receive rank ``src``'s tensor into ``buf`` (its shape and dtype known to both sides)."""
@@ -92,18 +99,19 @@ class TPGroup:
         self.recv_wait_s += time.perf_counter() - t
         return buf
 
-    def irecv(self, buf: torch.Tensor, src: int, tag: int):
-        """Start receiving rank ``src``'s tensor into ``buf``; the returned work's wait() completes it."""
-        return self.compute.recv([buf], src, tag)
+    def irecv_back(self, buf: torch.Tensor, src: int, tag: int):
+        """Rank 0: start receiving rank ``src``'s tensor sent ``back`` into ``buf``; wait() completes it."""
+        return self.back.recv([buf], src, tag)
 
-    def send_message(self, data: bytes, dst: int, seq: int) -> list:
-        """Start sending the driver's message ``data`` (msgpack) to rank ``dst`` on the control group: its
+    def send_message(self, data: bytes, dsts: list[int], seq: int) -> list:
+        """Start sending the driver's message ``data`` (msgpack) to ranks ``dsts`` on the control group: its
         length, then its bytes. ``seq`` numbers the driver's messages (tags, so several can be in flight);
         returns [(work, buffer)] to wait on before the buffers may go."""
         n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         tag = 2 * (seq % 2**20)
-        return [(self.control.send([n], dst, tag), n), (self.control.send([buf], dst, tag + 1), buf)]
+        return [ws for dst in dsts for ws in ((self.control.send([n], dst, tag), n),
+                                               (self.control.send([buf], dst, tag + 1), buf))]
 
     def recv_message(self, seq: int) -> bytes:
         """The driver's message number ``seq`` (send_message), waiting as long as the engine idles."""

@@ -20,11 +20,12 @@ Within a step, its requests may also be cut into m micro-batches (``--pipeline-m
 micro-batch 2 while stage 1 works on the first. One step alone takes m + P - 1 stage turns of which each
 stage is busy m: its bubble is (P - 1) / (m + P - 1).
 
-Transport: point-to-point send/recv on the parallel group's compute group (gloo on the CPU, NCCL on
-GPUs), raw tensors of a known shape, counted in bytes (TPGroup.send_bytes), tagged by pass and
-micro-batch (forward_tag) so that passes in flight never match each other's messages; the driver's step
-messages go point to point too (executor.post_message), since a stage may still be busy with earlier
-steps.
+Transport: point-to-point send/recv (gloo on the CPU, NCCL on GPUs), raw tensors of a known shape,
+counted in bytes (TPGroup.send_bytes): hidden states forward on the compute group, logits and expert
+counts back to rank 0 on a group of their own (TPGroup.back), so that each direction's messages between
+two ranks are matched in the order they were posted, as NCCL matches them; gloo also matches their tags
+(pass and micro-batch: forward_tag). The driver's step messages go point to point too, on the control
+group (executor.post_message), since a stage may still be busy with earlier steps.
 """
 
 from __future__ import annotations
@@ -142,18 +143,6 @@ class PendingLogits:
 EXPERT_COUNTS = 1023  # forward_tag's micro-batch slot for a stage's per-expert counts
 
 
-def _stage_expert_counts(model) -> torch.Tensor:
-    """This stage's tokens routed to each expert since the last call, [layers, experts] (zeros for a dense
-    layer), the counts restarted."""
-    rows = []
-    for layer in model.layers:
-        counts = getattr(layer.mlp, "expert_tokens", None)
-        rows.append(torch.zeros(model.cfg.num_experts, dtype=torch.long) if counts is None else counts.cpu().clone())
-        if counts is not None:
-            counts.zero_()
-    return torch.stack(rows)
-
-
 def later_stages_expert_tokens(model, group) -> list[list[int]]:
     """Rank 0: the later stages' routed tokens per layer and expert since the last call, in layer order
     after stage 0's ([] for a dense layer, as LlamaForCausalLM.take_expert_tokens gives them), restarted."""
@@ -188,19 +177,19 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
     hidden, dtype, dev = model.cfg.hidden_size, model.norm.weight.dtype, runner.device
     recvs, counts = [], []
     experts = model.cfg.num_experts
-    if group.rank == 0 and experts:  # each later stage's routed tokens (/metrics: every layer's)
-        for s in range(1, p):
-            first, last = model_stage_layers(model.whole_cfg, s, p)
-            buf = torch.empty(last - first, experts, dtype=torch.long, device=dev)
-            counts.append((group.irecv(buf, s * t, forward_tag(seq, EXPERT_COUNTS)), s, buf))
-    if group.rank == 0:  # posted first: the last stage's sends complete whatever rank 0 is doing then
+    if group.rank == 0:  # posted first: the last stage's sends complete whatever rank 0 is doing then (in
+        # the order each stage sends them: its logits, then its expert counts)
         vocab = model.cfg.vocab_size
         out = torch.empty(len(logits_rows), vocab, dtype=torch.float32, device=dev)
         for k, (_, _, rows) in enumerate(plan):
             if rows:
                 part = torch.empty(len(rows), vocab, dtype=torch.float32, device=dev)
                 index = torch.tensor([j for j, _ in rows], dtype=torch.long, device=dev)
-                recvs.append((group.irecv(part, (p - 1) * t, forward_tag(seq, k)), index, part))
+                recvs.append((group.irecv_back(part, (p - 1) * t, forward_tag(seq, k)), index, part))
+        for s in range(1, p) if experts else ():  # each later stage's routed tokens (/metrics: every layer's)
+            first, last = model_stage_layers(model.whole_cfg, s, p)
+            buf = torch.empty(last - first, experts, dtype=torch.long, device=dev)
+            counts.append((group.irecv_back(buf, s * t, forward_tag(seq, EXPERT_COUNTS)), s, buf))
     else:
         # this stage's sends of the previous pass: done once the next stage took them (it runs in order)
         for work, _ in group.pending_sends:
@@ -218,11 +207,11 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
         elif rows:  # the last stage (never stage 0: p > 1); its ranks gather the vocabulary, the first sends
             logits = model.compute_logits(x, torch.tensor([r for _, r in rows], dtype=torch.long, device=dev))
             if group.rank == (p - 1) * t:
-                sends.append((group.send(logits, 0, forward_tag(seq, k)), logits))
+                sends.append((group.send(logits, 0, forward_tag(seq, k), back=True), logits))
     if group.rank == 0:
         return PendingLogits(group, out, recvs, sends, counts)
     if experts and group.rank % t == 0:  # (a stage's tensor-parallel ranks all count every token)
-        c = _stage_expert_counts(model).to(dev)
-        sends.append((group.send(c, 0, forward_tag(seq, EXPERT_COUNTS)), c))
+        c = model.expert_counts().to(dev)
+        sends.append((group.send(c, 0, forward_tag(seq, EXPERT_COUNTS), back=True), c))
     group.pending_sends = sends
     return None

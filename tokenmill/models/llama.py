@@ -353,13 +353,18 @@ class LlamaForCausalLM(nn.Module):
         the counts; None for a model without experts."""
         if not self.cfg.num_experts:
             return None
-        out = []
+        return [row if layer.moe else [] for layer, row in zip(self.layers, self.expert_counts().tolist())]
+
+    def expert_counts(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last call, [layers, experts] on the CPU (zeros for a
+        dense layer), the counts restarted."""
+        rows = []
         for layer in self.layers:
-            counts = getattr(layer.mlp, "expert_tokens", None)
-            out.append([] if counts is None else counts.tolist())
-            if counts is not None:
+            counts = layer.mlp.expert_tokens if layer.moe else torch.zeros(self.cfg.num_experts, dtype=torch.long)
+            rows.append(counts.cpu().clone())
+            if layer.moe:
                 counts.zero_()
-        return out
+        return torch.stack(rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | None]]) -> None:
         """Load from Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight``...). A tensor

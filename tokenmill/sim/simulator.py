@@ -190,7 +190,7 @@ class Simulator:
                  disaggregation: Disaggregation | None = None, steps_in_flight: int = 1) -> None:
         """steps_in_flight > 1: pipeline parallelism's steps in flight (``--pipeline-batches-in-flight``);
         the cost model then gives each step's ``pipeline_times`` (the first stage's turn, the latency)."""
-        if steps_in_flight > 1 and not hasattr(cost, "pipeline_times"):
+        if steps_in_flight > 1 and not hasattr(getattr(cost, "inner", cost), "pipeline_times"):
             raise ValueError("steps in flight need a pipeline-parallel roofline cost model (--hardware with "
                              "--pipeline-parallel-size > 1)")
         self.steps_in_flight = steps_in_flight
@@ -347,28 +347,31 @@ class _Run:
         if not x.sched.has_unfinished():  # all it was handed was shed or rejected, or was a transfer's end
             return
         sim = self.sim
-        out = x.sched.schedule()
-        for recv in out.kv_recv:
-            self._pull(x, recv)
+        for _ in range(x.max_flight):  # steps in flight: a lane with nothing to run, its turn passes (the
+            out = x.sched.schedule()   # engine's loop calls again at once)
+            for recv in out.kv_recv:
+                self._pull(x, recv)
+            if not out.is_empty or x.flight:
+                break
         if out.is_empty:
             x.stalled = bool(x.flight)
             return
         shape = StepShape.of(out)
-        if x.max_flight > 1:  # pipeline stages: the first is free after its turn, the step ends P turns on
-            turn, dt = sim.cost.pipeline_times(shape)
-            x.stage_free = x.now + turn
-            end = max(x.now + dt, x.flight[-1][-1] + turn if x.flight else 0.0)  # (stages run steps in order)
-            x.flight.append((out, shape, end - x.now, 0.0, x.now, None, end))
-            return
-        dt = sim.cost(shape)
         draft_s = 0.0
-        if x.proposer is not None and sim.spec.drafter is not None:
+        if x.proposer is not None and sim.spec.drafter is not None:  # (rank 0 drafts before it launches)
             draft_s = sum(sim.spec.drafter(p) for p in x.proposer.take_passes())
-            dt += draft_s
-        if x.sched.planner.predicts:  # as the engine: the planner corrects by observed / predicted
-            x.sched.planner.observe(shape, dt)
         # a producer's batch and pool are counted during its steps (its requests leave when their prefill ends)
         during = (len(x.sched.running), x.kv.num_blocks - x.kv.num_free_blocks) if x.role == "prefill" else None
+        if x.max_flight > 1:  # pipeline stages: the first is free after its turn, the step ends P turns on
+            turn, latency = sim.cost.pipeline_times(shape)
+            x.stage_free = x.now + draft_s + turn
+            # (the engine's planner is not corrected with steps in flight: a step's wall time is not its cost)
+            end = max(x.now + draft_s + latency, x.flight[-1][-1] + turn if x.flight else 0.0)  # stages in order
+            x.flight.append((out, shape, end - x.now, draft_s, x.now, during, end))
+            return
+        dt = sim.cost(shape) + draft_s
+        if x.sched.planner.predicts:  # as the engine: the planner corrects by observed / predicted
+            x.sched.planner.observe(shape, dt)
         x.flight.append((out, shape, dt, draft_s, x.now, during, x.now + dt))
 
     def _pull(self, x: _Instance, recv) -> None:  # noqa: ANN001 -- a core.scheduler.KVRecv

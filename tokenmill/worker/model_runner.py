@@ -193,7 +193,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits = step.logits if isinstance(step.logits, torch.Tensor) else self.executor.wait(step.logits)
         if self.device.type == "cuda":  # the kernels are queued: wait for them, or sampling's wait counts them
-            torch.cuda.synchronize(self.device)
+            # (this stream's only: a device-wide sync would also wait for the next step's pass in flight)
+            torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()
         self.forward_s = step.forward_s + t1 - t0
         try:
