@@ -412,3 +412,54 @@ def test_steps_in_flight_with_uneven_lanes_and_a_full_pool_finish_every_request(
     assert out.num_preemptions > 0
     for st in out.steps:
         assert len({rid for rid, _ in st.scheduled}) == len(st.scheduled)
+
+
+def test_the_simulator_runs_the_engines_schedule_with_steps_in_flight(tmp_path):
+    """Pipeline parallelism's steps in flight, through the real engine (two stages of a tiny model) and the
+    simulator (a pipeline cost: the first stage free after 1 s, a step back after 2.5 s): the same steps,
+    lane by lane, with the same requests and tokens in each, preemptions included."""
+    from tiny_models import random_hf_model, save_hf_folder
+
+    from tokenmill import LLM, SamplingParams
+
+    class Stages:
+        def __call__(self, shape):
+            raise AssertionError("steps in flight take pipeline_times")
+
+        def pipeline_times(self, shape):
+            return 1.0, 2.5
+
+    folder = save_hf_folder(random_hf_model(max_position_embeddings=512), tmp_path / "m")
+    # stage 0 holds one of the 2 layers: 20 blocks of 16 tokens
+    llm = LLM(str(folder), kv_cache_memory=str(20 * 16 * 2 * 1 * 2 * 16 * 4), max_num_batched_tokens=64,
+              max_num_seqs=6, pipeline_parallel_size=2)
+    try:
+        engine = llm.engine
+        assert engine.kv_cache.num_blocks == 20 and engine.scheduler.lanes == 2
+        rng = np.random.default_rng(1)
+        reqs = [SampleRequest("", int(n), int(o), prompt_ids=rng.integers(5, 300, int(n)).tolist())
+                for n, o in zip(rng.integers(10, 120, 12), rng.integers(3, 40, 12))]
+        steps = []
+        real = engine.scheduler.schedule
+
+        def recording():
+            out = real()
+            steps.append((out.num_prefill_tokens, out.num_decode_tokens,
+                          tuple((s.request_id, len(s.token_ids)) for s in out.scheduled)))
+            return out
+
+        engine.scheduler.schedule = recording
+        for k, r in enumerate(reqs):
+            engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                               request_id=str(k))
+        while engine.has_unfinished_requests():
+            engine.step()
+        kv = engine.kv_cache
+        sim = Simulator(Stages(), SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64), kv.num_blocks,
+                        kv.block_size, engine.max_model_len, kv.enable_prefix_caching, steps_in_flight=2)
+        out = sim.run(reqs, [0.0] * len(reqs))
+        assert [(s.prefill_tokens, s.decode_tokens, s.scheduled) for s in out.steps] == [s for s in steps if s[2]]
+        assert engine.num_preemptions == out.num_preemptions > 0
+        assert all(r.success and r.completion_tokens == q.output_len for r, q in zip(out.results, reqs))
+    finally:
+        llm.shutdown()

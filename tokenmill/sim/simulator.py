@@ -166,12 +166,19 @@ class _Instance:
     def next_time(self) -> float:
         """When this instance's next step ends, or (steps in flight) when it may launch another."""
         t = self.flight[0][-1] if self.flight else math.inf
-        if self.flight and len(self.flight) < self.max_flight and not self.stalled:
+        if self.flight and len(self.flight) < self.max_flight and not self.stalled and self._more():
             t = min(t, self.stage_free)
         return t
 
     def may_launch(self, t: float) -> bool:
-        return len(self.flight) < self.max_flight and self.stage_free <= t and self.has_work
+        return (len(self.flight) < self.max_flight and self.stage_free <= t and self.has_work
+                and (not self.flight or self._more()))
+
+    def _more(self) -> bool:
+        """Work for another step while some are in flight, as the engine checks it (engine/core.py
+        _pipelined_step): what was handed in, a waiting request, or a running one not in flight."""
+        s = self.sched
+        return bool(self.inbox or s.waiting) or any(r.request_id not in s.in_flight for r in s.running)
 
     @property
     def has_work(self) -> bool:
