@@ -34,11 +34,10 @@ KEYS = [("output_throughput", "out tok/s"), ("median_ttft_ms", "p50 TTFT"), ("p9
         ("median_tpot_ms", "p50 TPOT"), ("p99_tpot_ms", "p99 TPOT")]
 
 
-def workloads(trace: str | None) -> list[tuple[str, list[str]]]:
+def workloads(trace: str | None, rates: list[str]) -> list[tuple[str, list[str]]]:
     rand = ["--dataset", "random", "--input-len", "128", "--output-len", "128", "--num-prompts", "60"]
-    out = [("random 128/128 at 1 req/s", rand + ["--request-rate", "1"]),
-           ("random 128/128 at 2 req/s", rand + ["--request-rate", "2"]),
-           ("shared prefix 512 + 32, 64 out, 1 req/s (prefix caching)",
+    out = [(f"random 128/128 at {r} req/s", rand + ["--request-rate", r]) for r in rates]
+    out += [("shared prefix 512 + 32, 64 out, 1 req/s (prefix caching)",
             ["--dataset", "shared-prefix", "--prefix-len", "512", "--question-len", "32", "--output-len", "64",
              "--num-prompts", "40", "--request-rate", "1"])]
     if trace:
@@ -62,6 +61,7 @@ def main() -> None:
                     help="the workload (index) the serving step-time scale is fitted on; -1: none (scale 1)")
     ap.add_argument("--results-dir", default=None, help="keep the real runs' results here, and reuse them")
     ap.add_argument("--warmup", type=int, default=40, help="requests run first, not recorded (default 40)")
+    ap.add_argument("--random-rates", default="1,2", help="the random workload's request rates (default 1,2)")
     ap.add_argument("--itl-target-ms", type=float, default=100.0,
                     help="the ITL target both sides plan to (0: the fixed token budget)")
     args = ap.parse_args()
@@ -91,7 +91,7 @@ def main() -> None:
 
         # each workload its own prompts (a seed each): the same prompts again would hit the server's prefix
         # cache from the workload before, which the simulation (a fresh cache each run) does not have
-        loads = [(name, [*flags, "--seed", str(i)]) for i, (name, flags) in enumerate(workloads(args.trace))]
+        loads = [(name, [*flags, "--seed", str(i)]) for i, (name, flags) in enumerate(workloads(args.trace, args.random_rates.split(",")))]
         # a warm server (its first requests pay for first-touched KV pages and cold caches), not recorded
         tokenmill(["bench", "serve", "--base-url", url, "--model", "smollm2-135m-instruct", "--no-progress",
                    "--dataset", "random", "--input-len", "128", "--output-len", "64", "--num-prompts",
