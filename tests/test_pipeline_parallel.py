@@ -94,23 +94,23 @@ def _watch_steps(core) -> dict:
     """Wrap the runner's launch/finish: check that steps in flight hold disjoint requests and end oldest
     first; count how many were in flight at most, and the launches made while another was in flight."""
     seen = {"max": 0, "overlapped": 0, "steps": 0}
-    in_flight: list[set[str]] = []
+    in_flight: list[tuple[set[str], object]] = []  # (request ids, launched step)
     launch, finish = core.runner.launch, core.runner.finish
 
     def spy_launch(sched):
         ids = {s.request_id for s in sched.scheduled}
-        assert all(not ids & other for other in in_flight), "a request was scheduled while in flight"
+        assert all(not ids & other for other, _ in in_flight), "a request was scheduled while in flight"
         step = launch(sched)
         if step is not None:
             seen["overlapped"] += bool(in_flight)
             seen["steps"] += 1
-            in_flight.append(ids)
+            in_flight.append((ids, step))
             seen["max"] = max(seen["max"], len(in_flight))
         return step
 
     def spy_finish(step):
         if step is not None:
-            assert in_flight.pop(0) == step.request_ids  # the oldest step ends first
+            assert in_flight.pop(0)[1] is step  # the oldest step ends first
         return finish(step)
 
     core.runner.launch, core.runner.finish = spy_launch, spy_finish
@@ -134,7 +134,7 @@ def test_steps_in_flight_overlap_and_give_the_same_tokens(models, in_flight):
             assert got == want, f"{n} steps in flight"
             assert seen["max"] == n and (seen["overlapped"] > seen["steps"] // 2 if n > 1 else not seen["overlapped"])
             core = llm.engine.core
-            assert not core.has_unfinished() and not core.runner._in_flight and not core.scheduler.in_flight
+            assert not core.has_unfinished() and not core.scheduler.in_flight
             core.kv_cache.check_invariants()
         finally:
             llm.shutdown()
@@ -163,14 +163,14 @@ def test_a_request_aborted_in_flight_and_preemption_between_steps_in_flight(mode
         while engine.has_unfinished_requests():
             for o in engine.step():
                 outs[o.request_id] = o.outputs[0].token_ids
-            if not aborted and doomed in core.runner._in_flight:
+            if not aborted and doomed in core.scheduler.in_flight:
                 assert engine.abort_request(doomed).outputs[0].finish_reason == "abort"
                 assert doomed not in core.kv_cache.block_tables
                 aborted = True
         assert aborted and seen["max"] == 2
         assert [outs[r] for r in rids] == want
         assert core.scheduler.num_preemptions > 0
-        assert not core.runner._in_flight and not core.scheduler.in_flight
+        assert not core.scheduler.in_flight
         core.kv_cache.check_invariants()
         assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
     finally:

@@ -186,6 +186,7 @@ class Scheduler:
         self._lane = 0  # the lane the next step takes
         self._lane_of: dict[str, int] = {}
         self.in_flight: set[str] = set()
+        self._finish_later: set[str] = set()  # ended while in flight: told to the runner once applied
         self.clock = time.perf_counter  # tests substitute a fake clock
 
     # ---- admission -------------------------------------------------------------------
@@ -234,7 +235,10 @@ class Scheduler:
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
-            self._finished_ids.append(req.request_id)
+            if req.request_id in self.in_flight:  # the runner samples its step first: it hears once applied
+                self._finish_later.add(req.request_id)
+            else:
+                self._finished_ids.append(req.request_id)
 
     # ---- one step --------------------------------------------------------------------
 
@@ -322,7 +326,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.request_id in self.in_flight or self._lane_of.get(req.request_id, 0) != lane:
+            if self.lanes > 1 and (req.request_id in self.in_flight or self._lane_of.get(req.request_id, 0) != lane):
                 i += 1  # its step is in flight, or this step is another lane's
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -352,8 +356,9 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
-        lane_cap = -(-(len(self.running) + len(self.waiting)) // self.lanes)  # requests a lane may hold
-        lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id, 0) == lane)
+        if self.lanes > 1:
+            lane_cap = -(-(len(self.running) + len(self.waiting)) // self.lanes)  # requests a lane may hold
+            lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id, 0) == lane)
         while self.waiting and not out.preempted_request_ids and not starved and budget > 0:
             if len(self.running) + len(self.waiting_for_kv) >= max_running:
                 break
@@ -523,7 +528,11 @@ class Scheduler:
         finished: list[Request] = []
         bs = self.kv_cache.block_size
         for s in sched.scheduled:
-            self.in_flight.discard(s.request_id)
+            if s.request_id in self.in_flight:
+                self.in_flight.discard(s.request_id)
+                if s.request_id in self._finish_later:
+                    self._finish_later.discard(s.request_id)
+                    self._finished_ids.append(s.request_id)
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran

@@ -45,7 +45,6 @@ class _Launched:
     """A step between launch() and finish(): its logits (or the pass in flight) and how to sample them."""
 
     logits: Any  # torch.Tensor, or distributed/pipeline.py's PendingLogits
-    request_ids: set[str]
     sample_reqs: list
     prompt_rows: list
     sample_rows: list[int]
@@ -102,8 +101,6 @@ class ModelRunner:
         # which run the same one on their shards (distributed/executor.py)
         self.executor = None
         self.pipeline = None  # (group, micro-batches) when this rank is a pipeline stage (distributed/pipeline.py)
-        self._in_flight: set[str] = set()  # requests of steps launched and not yet finished
-        self._drop_later: set[str] = set()  # finished while in flight: their state goes when their step ends
 
     # ---- request state ---------------------------------------------------------------
 
@@ -148,10 +145,7 @@ class ModelRunner:
         parallelism rank 0 returns with the pass still in flight through the other stages, and the engine
         may launch the next step (other requests) before finishing this one."""
         self.forward_s = self.sample_s = 0.0  # this step's phases (engine/utilization.py)
-        for rid in sched.finished_request_ids:  # (aborted in flight: dropped when its pass is sampled)
-            if rid in self._in_flight:
-                self._drop_later.add(rid)
-                continue
+        for rid in sched.finished_request_ids:  # (one aborted in flight comes once its step was applied)
             self.states.pop(rid, None)
             self.swapped.pop(rid, None)
         for rid, blocks in sched.swap_out:
@@ -181,9 +175,7 @@ class ModelRunner:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
         logits = self._start_forward(order, sample_rows + [r for _, r, _ in prompt_rows])
-        ids = {s.request_id for s in order}
-        self._in_flight |= ids
-        return _Launched(logits, ids, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0)
+        return _Launched(logits, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def finish(self, step: _Launched | None) -> ModelRunnerOutput:
@@ -200,10 +192,6 @@ class ModelRunner:
         try:
             return self._sample_step(logits, step.sample_reqs, step.prompt_rows, step.sample_rows)
         finally:
-            self._in_flight -= step.request_ids
-            for rid in self._drop_later & step.request_ids:
-                self.states.pop(rid, None)
-            self._drop_later -= step.request_ids
             self.sample_s = time.perf_counter() - t1
 
     def _sample_step(self, logits: torch.Tensor, sample_reqs: list, prompt_rows: list,
