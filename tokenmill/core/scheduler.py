@@ -245,6 +245,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.in_flight)
 
+    def has_work_beyond_in_flight(self) -> bool:
+        """Something another step could take while steps are in flight: a waiting request, or a running
+        one whose step is not in flight."""
+        return bool(self.waiting) or any(r.request_id not in self.in_flight for r in self.running)
+
     # ---- disaggregation ----------------------------------------------------------------
 
     def take_kv_sends(self) -> list[KVSend]:

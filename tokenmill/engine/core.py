@@ -464,9 +464,8 @@ class EngineCore:
             if launched is not None:
                 batches.append((sched, launched, start, pc.queries - queries, pc.hits - hits,
                                 scheduled - start - self.scheduler.draft_s, self.scheduler.draft_s))
-                s = self.scheduler
-                more = s.waiting or any(r.request_id not in s.in_flight for r in s.running)
-                if more and len(batches) < self.config.parallel.batches_in_flight:
+                room = len(batches) < self.config.parallel.batches_in_flight
+                if room and self.scheduler.has_work_beyond_in_flight():
                     self._launch_s += time.perf_counter() - start
                     return CoreStep([], None, self.state())
         if not batches:

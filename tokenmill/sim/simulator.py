@@ -176,9 +176,8 @@ class _Instance:
 
     def _more(self) -> bool:
         """Work for another step while some are in flight, as the engine checks it (engine/core.py
-        _pipelined_step): what was handed in, a waiting request, or a running one not in flight."""
-        s = self.sched
-        return bool(self.inbox or s.waiting) or any(r.request_id not in s.in_flight for r in s.running)
+        _pipelined_step), or what was handed in."""
+        return bool(self.inbox) or self.sched.has_work_beyond_in_flight()
 
     @property
     def has_work(self) -> bool:
