@@ -12,8 +12,8 @@ Candidates (each computes y = x @ W^T for x [M, K], W [N, K]):
              (--quantization int8); activations int16 per token and block of 32
 - tm_q4_ISA  the same kernel on q4_1 blocks (--quantization int4, and GGUF Q4_0/Q4_1 with gguf)
 - tm_f32_ISA flinear, tokenmill's float32 GEMM in one summation order (--quantization none on the kernels)
-  ISA is each instruction set this CPU can run it with (avx2; avx512vnni, which takes calls of 16 or
-  more rows when selected): the same bits, so only the time differs.
+  ISA is each instruction set this CPU can run it with (avx2; avx512vnni, which takes calls from the
+  crossing timed at load, `vnni_min_tokens`, when selected): the same bits, so only the time differs.
 
     python benchmarks/linear_kernels.py                       # all shapes, M = 1, 64, 512
     python benchmarks/linear_kernels.py --m 1 --json results/linear.json

@@ -95,12 +95,12 @@ def _isas(ops) -> list[str]:
 @pytest.mark.parametrize("kind", NATIVE)
 def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
     """The kernel's result is ref_qlinear's, bit for bit, for every batch size from 1 to 40 (so a token's row
-    does not depend on the batch) and on both instruction sets (AVX2 below 16 tokens, AVX512-VNNI panels
-    from 16 where the CPU has them, and AVX2 throughout when forced)."""
+    does not depend on the batch) and on both instruction sets (AVX2 below the crossing, AVX512-VNNI panels
+    from it where the CPU has them, VNNI for every batch size, and AVX2 throughout when forced)."""
     from tokenmill.layers.kernels import cpu_kernels
 
     ops = cpu_kernels()
-    before = ops.kernel_isa("")
+    before, crossing = ops.kernel_isa(""), ops.vnni_min_tokens(0)
     for i, (n, k) in enumerate(SHAPES[kind]):
         qt = _native(kind, n, k, seed=10 + i)
         packed, fid = qt.kernel_layout(), FORMAT_IDS[qt.fmt]
@@ -110,15 +110,17 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
         x[5, :32] = 0
         ref = ref_qlinear(x, qt)
         try:
-            for isa in _isas(ops):
+            for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
                 ops.kernel_isa(isa)
+                ops.vnni_min_tokens(first)
                 full = ops.qlinear(x, packed, n, fid)
-                assert torch.equal(full, ref), (isa, (full - ref).abs().max().item())
+                assert torch.equal(full, ref), (isa, first, (full - ref).abs().max().item())
                 for m in range(1, 40):
-                    assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, m)
-                assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), isa
+                    assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, first, m)
+                assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), (isa, first)
         finally:
             ops.kernel_isa(before)
+            ops.vnni_min_tokens(crossing)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -164,6 +166,24 @@ def test_kernel_on_extreme_blocks_and_activations(kind):
         ops.kernel_isa(before)
     dense = x.double() @ qt.dequantize().double().t()
     assert ((ref - dense).abs() <= 1e-5 * dense.abs()).all()
+
+
+@needs_kernels
+def test_the_vnni_crossing_is_timed_or_set(monkeypatch):
+    from tokenmill.layers.kernels import CROSSING_TOKENS, _vnni_crossing, cpu_kernels
+
+    ops = cpu_kernels()
+    before = ops.kernel_isa("")
+    if before == "avx512vnni":
+        assert ops.vnni_min_tokens(0) in (*CROSSING_TOKENS, 16)
+        assert _vnni_crossing(ops) in (*CROSSING_TOKENS, 16) and ops.kernel_isa("") == before
+    monkeypatch.setenv("TOKENMILL_VNNI_MIN_TOKENS", "12")
+    assert _vnni_crossing(ops) == 12
+    monkeypatch.setenv("TOKENMILL_VNNI_MIN_TOKENS", "many")
+    with pytest.raises(ValueError, match="TOKENMILL_VNNI_MIN_TOKENS must be a positive integer"):
+        _vnni_crossing(ops)
+    with pytest.raises(RuntimeError, match="n must be >= 0"):
+        ops.vnni_min_tokens(-1)
 
 
 # ---- tiny random models, every type, against transformers -------------------------------------------

@@ -8,7 +8,8 @@ failed build (the reason is logged once and kept in ``unavailable_reason()``). C
 use the pure-torch paths in ``tokenmill/layers/quant.py``.
 
 Set ``TOKENMILL_DISABLE_CPU_KERNELS=1`` to force the torch paths. The many-token GEMM picks its
-instruction set at run time (AVX512-VNNI where the CPU has it, else AVX2; the same bits either way);
+instruction set at run time (AVX512-VNNI where the CPU has it, else AVX2; the same bits either way),
+VNNI from as many tokens as pays on this CPU (timed at load, ``_vnni_crossing``);
 ``TOKENMILL_CPU_ISA=avx2`` forces AVX2, and ``torch.ops.tokenmill.kernel_isa("")`` says which is in use.
 """
 
@@ -94,6 +95,60 @@ def kernels_expected() -> bool:
             and {"avx2", "fma", "f16c"} <= _cpu_flags() and _compiler() is not None)
 
 
+CROSSING_TOKENS = (4, 6, 8, 10, 12, 16)
+# (out, in, how many): a small model's MLP up and down matrices and a head, some 25 MB of Q8_0 in all, so
+# that the weights stream from memory as in a real step (cached in L2/L3 the crossing comes out lower)
+SHAPES = ((1536, 576, 8), (576, 1536, 8), (16384, 576, 1))
+
+
+def _vnni_crossing(ops) -> int:  # noqa: ANN001
+    """The fewest tokens from which the AVX512-VNNI GEMM beats the AVX2 one on this CPU: it widens a panel
+    of weights once for all tokens, which pays from 8 tokens on a Sapphire Rapids-class Xeon (a whole
+    step of the embedded model: 1.15x slower at 7 tokens, 0.94x at 8, 0.78x at 12) and from about 16 on a
+    Zen 5 EPYC. Timed at load over SHAPES (about 0.3 s): the smallest count from which VNNI is 10% faster
+    at every larger one, 16 when none is. The results are the same bits either way.
+    ``TOKENMILL_VNNI_MIN_TOKENS=n`` sets it instead."""
+    env = os.environ.get("TOKENMILL_VNNI_MIN_TOKENS", "")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"TOKENMILL_VNNI_MIN_TOKENS must be a positive integer, got {env!r}")
+        return int(env)
+    import time
+
+    from tokenmill.layers.quant import FORMAT_IDS, QuantizedTensor
+
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for n, k, count in SHAPES:
+        for _ in range(count):  # Q8_0 blocks: an fp16 scale of 1/64, then 32 random int8s
+            blocks = torch.randint(0, 256, (n, k // 32, 34), dtype=torch.uint8, generator=gen)
+            blocks[..., :2] = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
+            w = QuantizedTensor(blocks.reshape(n, -1), "q8_0", (n, k)).kernel_layout()
+            mats.append((w, n, torch.randn(max(CROSSING_TOKENS), k, generator=gen)))
+    best: dict[tuple[str, int], float] = {}
+    before = ops.kernel_isa("")
+    try:
+        ops.vnni_min_tokens(1)
+        for isa in ("avx2", "avx512vnni", "avx2", "avx512vnni"):  # alternated: a noisy machine hurts both alike
+            ops.kernel_isa(isa)
+            for m in CROSSING_TOKENS:
+                for _ in range(2):
+                    t = time.perf_counter()
+                    for w, n, x in mats:
+                        ops.qlinear(x[:m], w, n, FORMAT_IDS["q8_0"])
+                    best[isa, m] = min(time.perf_counter() - t, best.get((isa, m), float("inf")))
+    finally:
+        ops.kernel_isa(before)
+    crossing = 16
+    for m in reversed(CROSSING_TOKENS):
+        # 10% to spare: these matrices favour VNNI by about 0.15 over a whole step (1.0x here at 6 tokens,
+        # where the step ran 1.2x slower)
+        if best["avx512vnni", m] >= 0.9 * best["avx2", m]:
+            break
+        crossing = m
+    return crossing
+
+
 @functools.cache
 def cpu_kernels():
     """torch.ops.tokenmill with the CPU kernels loaded, or None (see unavailable_reason())."""
@@ -114,9 +169,12 @@ def cpu_kernels():
             try:
                 torch.ops.load_library(str(_build(cxx)))
                 _reason = None
-                logger.info("tokenmill CPU kernels loaded; many-token GEMMs use %s",
-                            torch.ops.tokenmill.kernel_isa(""))
-                return torch.ops.tokenmill
+                ops = torch.ops.tokenmill
+                if ops.kernel_isa("") == "avx512vnni":
+                    ops.vnni_min_tokens(_vnni_crossing(ops))
+                logger.info("tokenmill CPU kernels loaded; many-token GEMMs use %s from %d tokens",
+                            ops.kernel_isa(""), ops.vnni_min_tokens(0))
+                return ops
             except Exception as e:  # noqa: BLE001 -- any failure means: use the torch paths, and say why
                 _reason = f"{type(e).__name__}: {e}"
     logger.warning("tokenmill CPU kernels unavailable (%s); quantized layers use the slower torch paths", _reason)

@@ -458,8 +458,9 @@ bool g_use_vnni = [] {
 // Below this many tokens the AVX2 tiles win: widening a panel costs about as much as a few tokens' work.
 // Measured (benchmarks/linear_kernels.py, the model's shapes, 2 threads): on a Sapphire Rapids-class Xeon
 // VNNI ran 0.7x at M=2, 1.2-1.5x at M=8, 3-4x at M=512; on a Zen 5 EPYC 0.9x at M=8 (0.5x on the output
-// head), 1.4x at M=16, 2.7x at M=64, 3.4x at M=512. 16 is the crossing on both.
-constexpr int64_t VNNI_MIN_TOKENS = 16;
+// head), 1.4x at M=16, 2.7x at M=64, 3.4x at M=512. The crossing differs by machine: kernels.py times it
+// when it loads the kernels and sets it with vnni_min_tokens().
+int64_t g_vnni_min_tokens = 16;
 
 template <int F, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t* xq, const float* xd,
@@ -482,7 +483,7 @@ constexpr int64_t PF_DIST = 8192;
 template <int F>
 void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t ld,
           int64_t M, float* y, bool accumulate) {
-  if (g_use_vnni && M >= VNNI_MIN_TOKENS) return gemm_vnni<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
+  if (g_use_vnni && M >= g_vnni_min_tokens) return gemm_vnni<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
   const int64_t nb = K / QK;
   const int64_t row_bytes = row_bytes_of(F, nb);
   // Tokens in chunks whose quantized activations stay in L2 while every row of this thread passes over them.
@@ -1256,10 +1257,18 @@ std::string kernel_isa(std::string name) {
   return g_use_vnni ? "avx512vnni" : "avx2";
 }
 
+// The fewest tokens the many-token GEMM takes VNNI for: n > 0 sets it, 0 reports it.
+int64_t vnni_min_tokens(int64_t n) {
+  TORCH_CHECK(n >= 0, "tokenmill::vnni_min_tokens: n must be >= 0, got ", n);
+  if (n > 0) g_vnni_min_tokens = n;
+  return g_vnni_min_tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("kernel_isa(str name) -> str", &kernel_isa);
+  m.def("vnni_min_tokens(int n) -> int", &vnni_min_tokens);
   m.def("qlinear(Tensor x, Tensor w, int n_out, int fmt) -> Tensor");
   m.def("flinear(Tensor x, Tensor w, int n_out, Tensor? bias=None) -> Tensor");
   m.def("quantize_activations(Tensor x) -> Tensor[]");
