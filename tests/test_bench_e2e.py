@@ -17,10 +17,15 @@ from tokenmill.server.run import BackgroundServer
 
 @pytest.mark.slow
 def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
+    from tokenmill.engine.step_log import StepLog, read_step_log, step_cycles
+
     engine = llm_fp32.engine
     ae = AsyncEngine(engine, max_waiting_requests=64, log_interval=None)
+    log = StepLog(tmp_path / "steps.jsonl", engine.info)  # what `tokenmill serve --step-log` attaches
+    ae.observers.append(log)
     srv = BackgroundServer(build_app(ae, ServerConfig())).start()
     out = tmp_path / "result.json"
+    steps_before = len(engine.step_stats)
     try:
         # vLLM's spelling of the flags (`vllm bench serve ...` works with the command name changed)
         rc = main(["bench", "serve", "--base-url", srv.url, "--model", "smollm2-135m-instruct", "--num-prompts", "6",
@@ -57,6 +62,19 @@ def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
     assert ok and float(ok[0].split()[-1]) >= 7
     assert not engine.has_unfinished_requests()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    # the step log: every step the engine ran, in order, with its shape; the decodes sum to the tokens
+    # sampled after the first ones (6 requests of 8 tokens and the probe's 8), and each step's cycle is
+    # at least its own duration
+    log.close()
+    head, records = read_step_log(tmp_path / "steps.jsonl")
+    assert head["kv_bytes_per_token"] == engine.kv_bytes_per_token and head["model"] == engine.info.model_name
+    stats = list(engine.step_stats)[steps_before:]
+    assert [r["start"] for r in records] == [s.start_time for s in stats]
+    assert [r["decode_tokens"] for r in records] == [s.num_decode_tokens for s in stats]
+    assert sum(r["decode_tokens"] for r in records) == 7 * 7
+    assert sum(r["prefill_tokens"] for r in records) == sum(s.num_prefill_tokens for s in stats) > 0
+    shapes, cycles = step_cycles(records)
+    assert all(c >= r["duration"] for c, r in zip(cycles, records)) and len(shapes) == len(records)
 
 
 def test_bench_offline_on_a_tiny_model(tmp_path, capsys):

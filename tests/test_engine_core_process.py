@@ -270,10 +270,13 @@ def test_restart_flag_brings_a_fresh_core_and_keeps_serving():
         assert _core_pid(proc) != core and _gone(core, 1)
 
 
-def test_sigterm_to_the_process_group_drains_then_stops_the_core():
+def test_sigterm_to_the_process_group_drains_then_stops_the_core(tmp_path):
     """Ctrl-C or SIGTERM from a terminal or supervisor reach the whole group: the core must outlive it while
-    the server drains, finish the stream in flight, then go."""
-    with serve() as (proc, url):
+    the server drains, finish the stream in flight, then go. (With --step-log: the steps' shapes cross from
+    the core process and are written.)"""
+    from tokenmill.engine.step_log import read_step_log
+
+    with serve("--step-log", str(tmp_path / "steps.jsonl")) as (proc, url):
         core = _core_pid(proc)
         results: list = []
         started = threading.Event()
@@ -287,6 +290,11 @@ def test_sigterm_to_the_process_group_drains_then_stops_the_core():
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0
         assert _gone(core, 10)
+    head, steps = read_step_log(tmp_path / "steps.jsonl")
+    assert head["model"] == "smollm2-135m-instruct" and head["kv_bytes_per_token"] > 0
+    # the readiness probe's steps (if any) and the stream's: its 299 tokens after the first, one a step
+    assert sum(r["decode_tokens"] for r in steps) >= 299 and all(r["duration"] > 0 for r in steps)
+    assert sum(r["prefill_tokens"] for r in steps) >= 5 and steps[-1]["decode_context"] >= 300
 
 
 def test_sigkill_of_the_server_leaves_no_orphan_core():

@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "mixed) and write the fitted cost model for `tokenmill simulate --profile`.")
     pr.add_argument("--output", default="profile.json", help="where to write the model (default profile.json)")
     pr.add_argument("--quick", action="store_true", help="a smaller grid")
+    pr.add_argument("--from-step-log", nargs="+", default=None, metavar="FILE.jsonl",
+                    help="fit to the steps a server ran (`tokenmill serve --step-log`) instead of timing a grid: each "
+                         "step charged its cycle (start to the next step's start), so the model carries the "
+                         "serving's own overheads and contention; no model is loaded")
     add_engine_args(pr)
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
     from tokenmill.models.inspect import add_inspect_args

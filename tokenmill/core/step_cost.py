@@ -71,11 +71,14 @@ class CalibratedCost:
         self.floor = float(self.meta.get("min_seconds", 0.0))
 
     @classmethod
-    def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict | None = None) -> "CalibratedCost":
+    def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict | None = None,
+            weights: list[float] | None = None) -> "CalibratedCost":
+        """Least squares of the relative error, each step's squared error times its weight (default 1)."""
         x, y = np.asarray([features(s) for s in shapes]), np.asarray(seconds)
         # Relative error is what planning feels (a 5 ms decode step predicted at 20 ms is as wrong as a
         # 500 ms chunk predicted at 2 s), so each step's row is weighted by 1 / its time.
-        x, y = x / y[:, None], np.ones_like(y)
+        w = np.sqrt(np.asarray(weights, dtype=float)) if weights is not None else np.ones_like(y)
+        x, y = x * (w / y)[:, None], w
         # least squares with no negative per-token cost: a term that comes out negative is dropped and
         # the rest refitted (an active set), so "where the time goes" never reads below zero
         active = list(range(x.shape[1]))

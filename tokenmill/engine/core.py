@@ -505,6 +505,7 @@ class EngineCore:
             bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
             expert_tokens=self._expert_tokens(),
             kv_transfers=kv_transfers,
+            shape=shape,
         )
 
     def _expert_tokens(self) -> list[list[int]] | None:

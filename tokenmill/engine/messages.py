@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.core.step_cost import StepShape
 from tokenmill.core.step_planner import Forecast
 from tokenmill.engine.roofline import Roofline
 from tokenmill.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class StepStats:
     # mixture of experts: tokens routed to each expert this step, per layer ([] for a dense layer)
     expert_tokens: list[list[int]] | None = None
     kv_transfers: list[KVTransferStats] | None = None  # disaggregation: transfers that ended since the last step
+    shape: StepShape | None = None  # what the step computed, as the cost models see it (--step-log keeps it)
 
 
 # ---- front end -> core ----------------------------------------------------------------

@@ -62,6 +62,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
+    g.add_argument("--step-log", default=None, metavar="FILE.jsonl",
+                   help="write every engine step (start, duration, the tokens and context it computed) to this file "
+                        "as JSON lines: what `tokenmill profile --from-step-log` fits the simulator's cost model to")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request (id, tokens, TTFT, TPOT, finish reason)")
     g.add_argument("--disable-access-log", action="store_true", help="no uvicorn access log line per HTTP request")

@@ -207,6 +207,10 @@ def serve_args(llm_engine, a) -> int:  # noqa: ANN001
     engine = AsyncEngine(llm_engine, max_waiting_requests=a.max_waiting_requests,
                          log_interval=0 if a.disable_log_stats else a.log_stats_interval,
                          log_requests=not a.disable_log_requests)
+    if getattr(a, "step_log", None):
+        from tokenmill.engine.step_log import StepLog
+
+        engine.observers.append(StepLog(a.step_log, llm_engine.info))
     if a.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", a.host)
     return serve(engine, config, a.host, a.port, log_level=a.uvicorn_log_level,

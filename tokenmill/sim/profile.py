@@ -13,6 +13,8 @@ import argparse
 import statistics
 import time
 
+import numpy as np
+
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512, 1024)
 CHUNKS = (16, 64, 128, 256)
@@ -112,11 +114,52 @@ def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
     return CalibratedCost.fit(shapes, seconds), len(shapes)
 
 
+def fit_held_out(shapes: list, seconds: list[float], meta: dict, by_time: bool = False):  # noqa: ANN201
+    """(CalibratedCost fitted to every point, its mean and max relative error on every fourth point when fitted
+    to the other three). ``by_time``: each point's relative error weighs as much as its seconds (served steps,
+    where what matters is the time they add up to: the many short steps of a light load must not outvote the
+    fewer long ones of a heavy load); the held-out error is then also time-weighted."""
+    from tokenmill.core.step_cost import CalibratedCost
+
+    def weights(idx: list[int]) -> list[float] | None:
+        return [seconds[i] for i in idx] if by_time else None
+
+    fit_idx = [i for i in range(len(shapes)) if i % 4 != 3]
+    held = [i for i in range(len(shapes)) if i % 4 == 3]
+    model = CalibratedCost.fit([shapes[i] for i in fit_idx], [seconds[i] for i in fit_idx], weights=weights(fit_idx))
+    errors = [abs(model(shapes[i]) - seconds[i]) / seconds[i] for i in held]
+    mean = float(np.average(errors, weights=weights(held)))
+    print(f"held-out steps: {'time-weighted ' if by_time else ''}mean error {100 * mean:.1f}%, max "
+          f"{100 * max(errors):.1f}% ({len(held)} of {len(shapes)} points)")
+    return CalibratedCost.fit(shapes, seconds, {**meta, "held_out_mean_error": mean}, weights=weights(range(len(shapes))))
+
+
+def profile_from_step_logs(paths: list[str], output: str) -> int:
+    from tokenmill.engine.step_log import read_step_log, step_cycles
+
+    shapes, seconds, head = [], [], None
+    for path in paths:
+        engine, records = read_step_log(path)
+        if head is not None and engine != head:
+            raise ValueError(f"{path} was logged by another engine ({engine}) than {paths[0]} ({head})")
+        head = engine
+        s, c = step_cycles(records)
+        shapes += s
+        seconds += c
+    if len(shapes) < 8:
+        raise ValueError(f"{len(shapes)} steps in the step logs: too few to fit; serve a longer workload")
+    print(f"{len(shapes)} served steps, cycle median {1000 * statistics.median(seconds):.2f} ms")
+    fit_held_out(shapes, seconds, {**head, "source": "served steps"}, by_time=True).save(output)
+    print(f"saved {output}")
+    return 0
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
+    if a.from_step_log:
+        return profile_from_step_logs(a.from_step_log, a.output)
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.core.step_cost import CalibratedCost
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(a)))
     for layer in engine.runner.kv_caches:  # timing over a zeroed pool, not stale memory's NaNs or denormals
@@ -132,17 +175,10 @@ def cmd_profile(a: argparse.Namespace) -> int:
     shapes, seconds = time_points(engine, points, report=report)
     if len(shapes) < 8:
         raise ValueError("too few profile points fit in the KV pool; raise --kv-cache-memory")
-    fit_idx = [i for i in range(len(shapes)) if i % 4 != 3]
-    held = [i for i in range(len(shapes)) if i % 4 == 3]
-    model = CalibratedCost.fit([shapes[i] for i in fit_idx], [seconds[i] for i in fit_idx])
-    errors = [abs(model(shapes[i]) - seconds[i]) / seconds[i] for i in held]
-    print(f"held-out steps: mean error {100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}% "
-          f"({len(held)} of {len(shapes)} points)")
-    final = CalibratedCost.fit(shapes, seconds, {
+    fit_held_out(shapes, seconds, {
         "model": engine.model_name, "quantization": engine.quantization,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "kv_cache_bytes": engine.kv_cache.num_blocks * engine.kv_cache.block_size * engine.kv_bytes_per_token,
-        "held_out_mean_error": statistics.mean(errors)})
-    final.save(a.output)
+    }).save(a.output)
     print(f"saved {a.output}")
     return 0

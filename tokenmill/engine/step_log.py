@@ -1,0 +1,89 @@
+"""``--step-log``: every engine step as one JSON line (when it started, how long it took, what it computed),
+and the reading back that ``tokenmill profile --from-step-log`` fits a cost model to.
+
+A step's own duration is not what serving pays for it: between two steps the engine core also sends the
+outputs to the front end and takes in new requests, and on a machine whose cores the front end and the
+clients share, a step runs slower the more tokens they are streaming. What a simulator must charge is a
+step's *cycle*: from its start to the start of the step after it, when the engine went straight on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from tokenmill.core.step_cost import StepShape
+from tokenmill.engine.messages import StepStats
+
+SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
+
+
+class StepLog:
+    """An engine observer writing each step that computed something as a JSON line, after a first line
+    naming the engine (what a profile fitted to the steps records of it)."""
+
+    def __init__(self, path: str | Path, info) -> None:  # noqa: ANN001 -- the engine's CoreInfo
+        self._file = open(path, "w", buffering=1)  # noqa: SIM115 -- open while the server runs
+        self._file.write(json.dumps({"engine": engine_meta(info)}) + "\n")
+
+    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        pass
+
+    def on_request_finished(self, output, now: float) -> None:  # noqa: ANN001
+        pass
+
+    def on_step(self, stats: StepStats) -> None:
+        if stats.shape is None or self._file.closed:
+            return
+        self._file.write(json.dumps({"start": stats.start_time, "duration": stats.duration,
+                                     "running": stats.num_running, "waiting": stats.num_waiting,
+                                     **dataclasses.asdict(stats.shape)}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def engine_meta(info) -> dict:  # noqa: ANN001
+    """What a calibrated profile says of the engine it timed (sim/profile.py writes the same keys)."""
+    return {"model": info.model_name, "quantization": info.quantization, "kv_bytes_per_token": info.kv_bytes_per_token,
+            "kv_cache_bytes": info.num_blocks * info.block_size * info.kv_bytes_per_token}
+
+
+def read_step_log(path: str | Path) -> tuple[dict, list[dict]]:
+    """(the engine's header, the steps)."""
+    lines = Path(path).read_text().splitlines()
+    try:
+        head = json.loads(lines[0])["engine"] if lines else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        head = None
+    if not isinstance(head, dict):
+        raise ValueError(f"{path} is not a step log written by `tokenmill serve --step-log` (no engine header line)")
+    records = []
+    for i, line in enumerate(lines[1:], 1):
+        try:
+            rec = json.loads(line)
+            StepShape(**{k: rec[k] for k in SHAPE_FIELDS})
+            float(rec["start"]), float(rec["duration"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}, line {i + 1}: not a step written by `tokenmill serve --step-log` ({e})") from None
+        records.append(rec)
+    return head, records
+
+
+def step_cycles(records: list[dict]) -> tuple[list[StepShape], list[float]]:
+    """(shape, cycle seconds) per logged step. A step after which work remained (running or waiting) was
+    followed at once by the next: its cycle is the time to the next step's start. A step that left the
+    engine idle, or the last one, gets its duration plus the median of the others' overhead between steps."""
+    records = sorted(records, key=lambda r: r["start"])
+    cycles: list[float | None] = []
+    gaps = []
+    for rec, nxt in zip(records, records[1:] + [None]):
+        busy = rec["running"] + rec["waiting"] > 0 and nxt is not None
+        cycles.append(nxt["start"] - rec["start"] if busy else None)
+        if busy:
+            gaps.append(max(nxt["start"] - rec["start"] - rec["duration"], 0.0))
+    overhead = statistics.median(gaps) if gaps else 0.0
+    shapes = [StepShape(**{k: r[k] for k in SHAPE_FIELDS}) for r in records]
+    return shapes, [c if c is not None else r["duration"] + overhead for c, r in zip(cycles, records)]
