@@ -163,6 +163,22 @@ def test_simulated_timings_follow_the_cost_model():
     r = out.results[0]
     assert r.ttft_s == pytest.approx(0.32) and r.itl_s == pytest.approx([0.01] * 3)
     assert r.e2el_s == pytest.approx(0.35) and out.duration == pytest.approx(2.35)
+    # 8 ms of front end a request: the first reaches the scheduler at 2.008 s and its prefill ends at 2.328;
+    # the second, arriving at 2.3, reaches it at 2.308, so its prefill joins the first's decode in one step
+    # of 33 tokens (2.328 to 2.658), then both decode (0.02 s a step)
+    slow = Simulator(lambda s: 0.01 * s.tokens, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                     request_overhead_s=0.008)
+    first, second = slow.run(reqs * 2, [2.0, 2.3]).results
+    assert first.ttft_s == pytest.approx(0.328) and first.itl_s == pytest.approx([0.33, 0.02, 0.02])
+    assert first.e2el_s == pytest.approx(0.698) and first.start_s == 2.0
+    assert second.ttft_s == pytest.approx(2.658 - 2.3) and second.start_s == 2.3
+    assert second.itl_s == pytest.approx([0.02, 0.02, 0.01])
+    # plus 0.5 ms a prompt token: 8 + 16 ms before the scheduler sees a 32-token prompt
+    longer = Simulator(lambda s: 0.01 * s.tokens, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                       request_overhead_s=0.008, request_overhead_per_token_s=0.0005)
+    assert longer.run(reqs, [2.0]).results[0].ttft_s == pytest.approx(0.024 + 0.32)
+    with pytest.raises(ValueError, match="request overhead must be >= 0"):
+        Simulator(lambda s: 0.01, SchedulerConfig(), 64, 16, 1024, request_overhead_s=-1)
 
 
 def test_kv_bytes_a_request_ships_by_hand(gguf_path):
@@ -303,6 +319,53 @@ def test_calibrated_fit_recovers_a_linear_cost():
     truth = [0.002 + 1e-4 * s.prefill_tokens + 3e-4 * s.decode_tokens + 1e-5 * s.decode_context / 1e3 for s in shapes]
     model = CalibratedCost.fit(shapes, truth)
     assert [model(s) for s in shapes] == pytest.approx(truth, rel=1e-6)
+    # two machines' steps that no one line fits: the weights choose whose error counts
+    other = [2 * t for t in truth]
+    both = [s for s in shapes for _ in (0, 1)]
+    seconds = [t for pair in zip(truth, other) for t in pair]
+    for w_truth, expect in ((1.0, truth), (0.0, other)):
+        weights = [w for _ in shapes for w in (w_truth, 1.0 - w_truth)]
+        model = CalibratedCost.fit(both, seconds, weights=weights)
+        assert [model(s) for s in shapes] == pytest.approx(expect, rel=1e-6)
+    unweighted = CalibratedCost.fit(both, seconds)
+    assert all(t < unweighted(s) < 2 * t for s, t in zip(shapes, truth))
+
+
+def test_served_steps_are_charged_their_cycle_by_hand(tmp_path, capsys):
+    from tokenmill.cli import main
+    from tokenmill.engine.step_log import read_step_log, step_cycles
+
+    def step(start: float, duration: float, running: int, waiting: int, decodes: int) -> dict:
+        return {"start": start, "duration": duration, "running": running, "waiting": waiting, "prefill_tokens": 0,
+                "decode_tokens": decodes, "sampled": decodes, "attention_context": 100 * decodes,
+                "kv_read_tokens": 100 * decodes, "decode_context": 100 * decodes, "num_seqs": decodes}
+
+    # busy steps run on at once: start to the next start (overheads 1, 3, 2 ms); an idle end and the last
+    # step get their duration plus the median overhead (2 ms)
+    steps = [step(0.0, 0.010, 2, 0, 2), step(0.011, 0.010, 2, 1, 2), step(0.024, 0.010, 0, 0, 2),
+             step(1.0, 0.005, 1, 0, 1), step(1.007, 0.005, 1, 0, 1)]
+    log = tmp_path / "steps.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in [{"engine": {"model": "m", "kv_bytes_per_token": 8}}, *steps]))
+    head, records = read_step_log(log)
+    assert head["model"] == "m" and len(records) == 5
+    shapes, cycles = step_cycles(records)
+    assert cycles == pytest.approx([0.011, 0.013, 0.012, 0.007, 0.007])
+    assert [s.decode_tokens for s in shapes] == [2, 2, 2, 1, 1]
+    # enough of them to fit: a step of d decodes served in 3 ms + 2 ms a decode
+    rows, t = [], 0.0
+    for i in range(20):  # 1 ms between steps
+        rows.append(step(t, 0.002 + 0.002 * (1 + i % 5), 1, 0, 1 + i % 5))
+        t += rows[-1]["duration"] + 0.001
+    log.write_text("\n".join(json.dumps(r) for r in [{"engine": {"model": "m", "kv_bytes_per_token": 8}}, *rows]))
+    out = tmp_path / "served.json"
+    assert main(["profile", "--from-step-log", str(log), "--output", str(out)]) == 0
+    assert "held-out steps: time-weighted mean error 0.0%" in capsys.readouterr().out
+    model = CalibratedCost.load(out)
+    assert model.meta["source"] == "served steps" and model.meta["kv_bytes_per_token"] == 8
+    assert model(StepShape(0, 3, 3, 300, 300, 300, 3)) == pytest.approx(0.009, rel=1e-6)
+    log.write_text(json.dumps(rows[0]))
+    assert main(["profile", "--from-step-log", str(log)]) == 2
+    assert "tokenmill serve --step-log" in capsys.readouterr().err
 
 
 def test_cli_answers_and_errors(tmp_path, capsys):
@@ -321,6 +384,8 @@ def test_cli_answers_and_errors(tmp_path, capsys):
     assert "== A:" in text and "== B:" in text and "L4" in text
     assert main(base + ["--hardware", "h100", "--slo", "ttft:0.001"]) == 0
     assert "no rate meets the SLOs" in capsys.readouterr().out
+    assert main(base + ["--hardware", "h100", "--request-overhead-ms", "5", "5", "5"]) == 2
+    assert "FIXED and optionally PER_1K" in capsys.readouterr().err
     assert main(base + ["--hardware", "tpu9"]) == 2
     err = capsys.readouterr().err
     assert all(name in err for name in KNOWN)

@@ -40,6 +40,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-time-scale", type=float, default=1.0,
                    help="multiply every step time by this: a loaded server's observed/predicted ratio "
                         "(its tokenmill:step_time_ratio gauge) carries a profile over to serving (default 1)")
+    g.add_argument("--request-overhead-ms", type=float, nargs="+", default=[0.0], metavar="MS",
+                   help="the front end's time for each request outside the engine's steps (HTTP, tokenizing, "
+                        "the first token back to the client), added to its TTFT and E2EL: FIXED [PER_1K] ms, "
+                        "PER_1K a thousand prompt tokens; about 5 + 5 ms on a 2-vCPU server, idle (default 0)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool bytes (e.g. 40GiB); default: 90%% of the device memory less the weights "
                         "(--hardware), or what the profile's engine had (--profile)")
@@ -207,8 +211,14 @@ def build(a: argparse.Namespace):  # noqa: ANN201
         in_flight = a.pipeline_batches_in_flight or a.pipeline_parallel_size
         if in_flight > 1:
             what += f"; {in_flight} steps in flight across {a.pipeline_parallel_size} stages"
+    if len(a.request_overhead_ms) > 2:
+        raise ValueError("--request-overhead-ms takes FIXED and optionally PER_1K (ms a thousand prompt tokens)")
+    fixed, per_1k = (list(a.request_overhead_ms) + [0.0])[:2]
     sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True,
-                    spec=spec, disaggregation=dis, steps_in_flight=in_flight)
+                    spec=spec, disaggregation=dis, steps_in_flight=in_flight,
+                    request_overhead_s=fixed / 1000, request_overhead_per_token_s=per_1k / 1e6)
+    if fixed or per_1k:
+        what += f"; {fixed:g} ms + {per_1k:g} ms per 1k prompt tokens of front end a request"
     return cost, sim, what, kv_token
 
 

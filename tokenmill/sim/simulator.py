@@ -193,9 +193,18 @@ class Simulator:
     def __init__(self, cost: Callable[[StepShape], float], scheduler: SchedulerConfig, num_blocks: int,
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  keep_breakdown: bool = False, spec: SpecDecoding | None = None,
-                 disaggregation: Disaggregation | None = None, steps_in_flight: int = 1) -> None:
+                 disaggregation: Disaggregation | None = None, steps_in_flight: int = 1,
+                 request_overhead_s: float = 0.0, request_overhead_per_token_s: float = 0.0) -> None:
         """steps_in_flight > 1: pipeline parallelism's steps in flight (``--pipeline-batches-in-flight``);
-        the cost model then gives each step's ``pipeline_times`` (the first stage's turn, the latency)."""
+        the cost model then gives each step's ``pipeline_times`` (the first stage's turn, the latency).
+        request_overhead_s (+ request_overhead_per_token_s a prompt token): the front end's time for a
+        request outside the engine's steps (HTTP, tokenizing, the first token back to the client): each
+        request reaches the scheduler that much after it arrives, and its TTFT and E2EL count from its
+        arrival."""
+        if request_overhead_s < 0 or request_overhead_per_token_s < 0:
+            raise ValueError(f"the request overhead must be >= 0, got {request_overhead_s} s + "
+                             f"{request_overhead_per_token_s} s a prompt token")
+        self.request_overhead = (request_overhead_s, request_overhead_per_token_s)
         if steps_in_flight > 1 and not hasattr(getattr(cost, "inner", cost), "pipeline_times"):
             raise ValueError("steps in flight need a pipeline-parallel roofline cost model (--hardware with "
                              "--pipeline-parallel-size > 1)")
@@ -260,7 +269,9 @@ class _Run:
         self.transfers: dict[int, KVTransfer] = {}
 
     def run(self) -> SimResult:
-        sim, requests, arrivals, insts = self.sim, self.requests, self.arrivals, self.insts
+        sim, requests, insts = self.sim, self.requests, self.insts
+        fixed, per_token = sim.request_overhead
+        arrivals = [a + fixed + per_token * r.prompt_len for a, r in zip(self.arrivals, requests)]  # at the scheduler
         order = np.argsort(np.asarray(arrivals, dtype=float), kind="stable")
         i, n = 0, len(requests)
         while True:
@@ -295,7 +306,7 @@ class _Run:
         if any(x.has_work for x in insts):
             raise RuntimeError("the simulated scheduler stalled with requests left")
         results = [sim._result(k, requests[k], self.by_id.get(str(k)), self.rejected.get(k), self.shed.get(k),
-                               arrivals[k], sim.spec is not None) for k in range(n)]
+                               self.arrivals[k], sim.spec is not None) for k in range(n)]
         steps = sorted((s for x in insts for s in x.steps), key=lambda s: s.start)
         return SimResult(results, steps, max(x.now for x in insts), sum(x.sched.num_preemptions for x in insts),
                          sim.num_blocks, sim.block_size, summarize(self.spec_steps) if sim.spec is not None else None,
