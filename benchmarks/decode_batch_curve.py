@@ -16,8 +16,8 @@ import statistics
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,2,4,6,8,10,12,14,16,24,32")
-    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batches", default="1,2,4,6,8,10,12,14,16,24,32", help="decodes a step, comma-separated")
+    ap.add_argument("--context", type=int, default=128, help="tokens of context each decode attends to (default 128)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two crossings (default 2)")
     args = ap.parse_args()
     import torch

@@ -9,7 +9,9 @@ that is none of the validated ones (random prompts of 26-486 tokens, 10-182 out,
 (start to the next step's start). A served step carries what an idle engine's grid does not: the core's
 loop between steps, and on a machine whose cores the front end and the benchmark client share, their
 work for every streamed token. The validated workloads then run on a fresh server planning with that
-model (`--step-cost-profile`), and are simulated with it: all of them held out.
+model (`--step-cost-profile`), and are simulated with it: all of them held out. The front end's time a
+request is measured on the idle server too (`--request-overhead-ms`), and on these shared cores it also
+slows the step it arrives during (`--front-end-shares-cpu`).
 
 ``--calibrate grid --profile FILE`` is the older way: `tokenmill profile`'s synthetic grid timed on an idle
 engine, one step-time scale fitted on one workload (``--calibrate-on``) and the others predicted with it.
@@ -100,7 +102,8 @@ class Server:
 def calibrate_served(workdir: Path, itl_target_ms: float, warmup: int) -> tuple[str, list[float]]:
     """(the served-steps profile, the front end's [fixed ms, ms per 1k prompt tokens] a request), measured
     once and kept in ``workdir``. The request overhead: 20 one-token requests of 16-token prompts one at a
-    time on the idle server, the client's median TTFT less the median cycle of the one step each took.
+    time on the idle server, the client's median TTFT less the median cycle of the one step each took (its
+    duration plus the calibration's median gap between steps, as the profile charges it).
     (Its growth with the prompt, from prompts of 26-998 tokens, came out within this machine's noise:
     -6 to +11 ms a request; left at 0.)"""
     from tokenmill.sim.profile import profile_from_step_logs
@@ -120,7 +123,8 @@ def calibrate_served(workdir: Path, itl_target_ms: float, warmup: int) -> tuple[
         time.sleep(1)
     finally:
         server.stop()
-    _, cycles = step_cycles(read_step_log(log)[1][start:])
+    # the probe's steps each leave the engine idle: charged their duration plus the calibration's median gap
+    cycles = step_cycles(read_step_log(log)[1])[1][start:]
     ttft = statistics.median(json.loads(probe.read_text())["ttfts"])
     overhead.write_text(json.dumps([1000 * (ttft - statistics.median(cycles)), 0.0]))
     profile_from_step_logs([str(log)], str(out))
@@ -145,6 +149,8 @@ def main() -> None:
     ap.add_argument("--itl-target-ms", type=float, default=100.0,
                     help="the ITL target both sides plan to (0: the fixed token budget)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if (args.calibrate == "grid") != (args.profile is not None):
         ap.error("--profile goes with --calibrate grid (and only with it)")
     from tokenmill.sim.cli import build, run_at, workload
@@ -152,7 +158,8 @@ def main() -> None:
     def simulate(profile: str, flags: list[str], scale: float):  # noqa: ANN202 -- (metrics, SimOutput)
         ns = build_parser().parse_args(["simulate", "--profile", profile, "--duration", "0",
                                         "--itl-target-ms", str(args.itl_target_ms), "--step-time-scale",
-                                        str(scale), "--request-overhead-ms", *map(str, overhead_ms), *flags])
+                                        str(scale), "--request-overhead-ms", *map(str, overhead_ms),
+                                        *(["--front-end-shares-cpu"] if args.calibrate == "served" else []), *flags])
         _, sim, _, _ = build(ns)
         run, out = run_at(sim, workload(ns), ns.request_rate, ns, {})
         return run.metrics, out

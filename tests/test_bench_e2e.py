@@ -25,7 +25,6 @@ def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
     ae.observers.append(log)
     srv = BackgroundServer(build_app(ae, ServerConfig())).start()
     out = tmp_path / "result.json"
-    steps_before = len(engine.step_stats)
     try:
         # vLLM's spelling of the flags (`vllm bench serve ...` works with the command name changed)
         rc = main(["bench", "serve", "--base-url", srv.url, "--model", "smollm2-135m-instruct", "--num-prompts", "6",
@@ -68,7 +67,7 @@ def test_bench_serve_against_tokenmill(llm_fp32, tmp_path, capsys):
     log.close()
     head, records = read_step_log(tmp_path / "steps.jsonl")
     assert head["kv_bytes_per_token"] == engine.kv_bytes_per_token and head["model"] == engine.info.model_name
-    stats = list(engine.step_stats)[steps_before:]
+    stats = list(engine.step_stats)[-len(records):]  # (a bounded deque: counting from its end)
     assert [r["start"] for r in records] == [s.start_time for s in stats]
     assert [r["decode_tokens"] for r in records] == [s.num_decode_tokens for s in stats]
     assert sum(r["decode_tokens"] for r in records) == 7 * 7

@@ -5,6 +5,8 @@ transformers and on the embedded model requantized by the recipes (tests/kquants
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -170,20 +172,42 @@ def test_kernel_on_extreme_blocks_and_activations(kind):
 
 @needs_kernels
 def test_the_vnni_crossing_is_timed_or_set(monkeypatch):
-    from tokenmill.layers.kernels import CROSSING_TOKENS, _vnni_crossing, cpu_kernels
+    """Timing the crossing leaves the kernels as they were; forcing AVX2 skips it; the variable is read and
+    checked (a bad value is an error for the user, not a reason to run without the kernels)."""
+    from tokenmill.layers.kernels import _vnni_crossing, cpu_kernels, vnni_min_tokens_from_env
 
     ops = cpu_kernels()
-    before = ops.kernel_isa("")
-    if before == "avx512vnni":
-        assert ops.vnni_min_tokens(0) in (*CROSSING_TOKENS, 16)
-        assert _vnni_crossing(ops) in (*CROSSING_TOKENS, 16) and ops.kernel_isa("") == before
+    before, crossing = ops.kernel_isa(""), ops.vnni_min_tokens(0)
+    try:
+        found = _vnni_crossing(ops)
+        assert (ops.kernel_isa(""), ops.vnni_min_tokens(0)) == (before, crossing)
+        assert 4 <= found <= 16 if before == "avx512vnni" else found == 16
+        ops.kernel_isa("avx2")
+        assert _vnni_crossing(ops) == 16 and ops.kernel_isa("") == "avx2"
+    finally:
+        ops.kernel_isa(before)
+    monkeypatch.delenv("TOKENMILL_VNNI_MIN_TOKENS", raising=False)
+    assert vnni_min_tokens_from_env() is None
     monkeypatch.setenv("TOKENMILL_VNNI_MIN_TOKENS", "12")
-    assert _vnni_crossing(ops) == 12
-    monkeypatch.setenv("TOKENMILL_VNNI_MIN_TOKENS", "many")
-    with pytest.raises(ValueError, match="TOKENMILL_VNNI_MIN_TOKENS must be a positive integer"):
-        _vnni_crossing(ops)
+    assert vnni_min_tokens_from_env() == 12
+    for bad in ("many", "0", "²"):
+        monkeypatch.setenv("TOKENMILL_VNNI_MIN_TOKENS", bad)
+        with pytest.raises(ValueError, match="TOKENMILL_VNNI_MIN_TOKENS must be a positive integer"):
+            vnni_min_tokens_from_env()
     with pytest.raises(RuntimeError, match="n must be >= 0"):
         ops.vnni_min_tokens(-1)
+    # in a fresh process: the bad value stops the load with its message; a good one is the crossing
+    import subprocess
+    import sys
+
+    code = "from tokenmill.layers.kernels import cpu_kernels; print(cpu_kernels().vnni_min_tokens(0))"
+    for value, ok in (("many", False), ("5", True)):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "TOKENMILL_VNNI_MIN_TOKENS": value})
+        if ok:
+            assert run.returncode == 0 and run.stdout.strip() == "5", run.stderr[-500:]
+        else:
+            assert run.returncode != 0 and "TOKENMILL_VNNI_MIN_TOKENS must be a positive integer" in run.stderr
 
 
 # ---- tiny random models, every type, against transformers -------------------------------------------

@@ -173,11 +173,20 @@ def test_simulated_timings_follow_the_cost_model():
     assert first.e2el_s == pytest.approx(0.698) and first.start_s == 2.0
     assert second.ttft_s == pytest.approx(2.658 - 2.3) and second.start_s == 2.3
     assert second.itl_s == pytest.approx([0.02, 0.02, 0.01])
+    # the front end on the engine's cores: the second request's 8 ms also slow the first's prefill, running
+    # when it reaches the scheduler (2.328 -> 2.336), and everything after moves with it
+    shared = Simulator(lambda s: 0.01 * s.tokens, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
+                       request_overhead_s=0.008, front_end_shares_cpu=True)
+    out = shared.run(reqs * 2, [2.0, 2.3])
+    first, second = out.results
+    assert first.ttft_s == pytest.approx(0.336) and first.itl_s == pytest.approx([0.33, 0.02, 0.02])
+    assert second.ttft_s == pytest.approx(2.666 - 2.3)
+    assert out.steps[0].duration == pytest.approx(0.328)
     # plus 0.5 ms a prompt token: 8 + 16 ms before the scheduler sees a 32-token prompt
     longer = Simulator(lambda s: 0.01 * s.tokens, SchedulerConfig(max_num_batched_tokens=256), 64, 16, 1024,
                        request_overhead_s=0.008, request_overhead_per_token_s=0.0005)
     assert longer.run(reqs, [2.0]).results[0].ttft_s == pytest.approx(0.024 + 0.32)
-    with pytest.raises(ValueError, match="request overhead must be >= 0"):
+    with pytest.raises(ValueError, match=r"request overhead \(--request-overhead-ms\) must be >= 0"):
         Simulator(lambda s: 0.01, SchedulerConfig(), 64, 16, 1024, request_overhead_s=-1)
 
 
@@ -340,17 +349,24 @@ def test_served_steps_are_charged_their_cycle_by_hand(tmp_path, capsys):
                 "decode_tokens": decodes, "sampled": decodes, "attention_context": 100 * decodes,
                 "kv_read_tokens": 100 * decodes, "decode_context": 100 * decodes, "num_seqs": decodes}
 
-    # busy steps run on at once: start to the next start (overheads 1, 3, 2 ms); an idle end and the last
-    # step get their duration plus the median overhead (2 ms)
+    # busy steps run on at once: start to the next start (gaps 1, 3, 2 ms); an idle end, the last step
+    # and one followed by a pause (0.988 s, over 10 median gaps) get their duration plus the median gap
+    # of the busy steps (1, 2, 3, 988 ms: 2.5)
     steps = [step(0.0, 0.010, 2, 0, 2), step(0.011, 0.010, 2, 1, 2), step(0.024, 0.010, 0, 0, 2),
-             step(1.0, 0.005, 1, 0, 1), step(1.007, 0.005, 1, 0, 1)]
+             step(1.0, 0.005, 1, 0, 1), step(1.007, 0.005, 1, 0, 1), step(2.0, 0.005, 0, 0, 1)]
     log = tmp_path / "steps.jsonl"
-    log.write_text("\n".join(json.dumps(r) for r in [{"engine": {"model": "m", "kv_bytes_per_token": 8}}, *steps]))
+    text = "\n".join(json.dumps(r) for r in [{"engine": {"model": "m", "kv_bytes_per_token": 8}}, *steps])
+    log.write_text(text + '\n{"start": 3.0, "dur')  # cut short while written: dropped
     head, records = read_step_log(log)
-    assert head["model"] == "m" and len(records) == 5
+    assert head["model"] == "m" and len(records) == 6
     shapes, cycles = step_cycles(records)
-    assert cycles == pytest.approx([0.011, 0.013, 0.012, 0.007, 0.007])
-    assert [s.decode_tokens for s in shapes] == [2, 2, 2, 1, 1]
+    assert cycles == pytest.approx([0.011, 0.013, 0.0125, 0.007, 0.0075, 0.0075])
+    assert [s.decode_tokens for s in shapes] == [2, 2, 2, 1, 1, 1]
+    log.write_text(text.replace('"running": 2, "waiting": 1', '"waiting": 1', 1))
+    with pytest.raises(ValueError, match="line 3: not a step written by `tokenmill serve --step-log`"):
+        read_step_log(log)
+    with pytest.raises(ValueError, match="cannot read the step log"):
+        read_step_log(tmp_path / "missing.jsonl")
     # enough of them to fit: a step of d decodes served in 3 ms + 2 ms a decode
     rows, t = [], 0.0
     for i in range(20):  # 1 ms between steps

@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--from-step-log", nargs="+", default=None, metavar="FILE.jsonl",
                     help="fit to the steps a server ran (`tokenmill serve --step-log`) instead of timing a grid: each "
                          "step charged its cycle (start to the next step's start), so the model carries the "
-                         "serving's own overheads and contention; no model is loaded")
+                         "serving's own overheads and contention; no model is loaded, and the engine flags "
+                         "and --quick do not apply (the log's first line names its engine)")
     add_engine_args(pr)
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
     from tokenmill.models.inspect import add_inspect_args

@@ -34,7 +34,7 @@ class StepLog:
     def on_request_finished(self, output, now: float) -> None:  # noqa: ANN001
         pass
 
-    def on_step(self, stats: StepStats) -> None:
+    def on_step(self, stats: StepStats) -> None:  # on the engine thread, which is also the only writer
         if stats.shape is None or self._file.closed:
             return
         self._file.write(json.dumps({"start": stats.start_time, "duration": stats.duration,
@@ -46,14 +46,17 @@ class StepLog:
 
 
 def engine_meta(info) -> dict:  # noqa: ANN001
-    """What a calibrated profile says of the engine it timed (sim/profile.py writes the same keys)."""
+    """What a calibrated profile says of the engine it timed (both `tokenmill profile`s write it)."""
     return {"model": info.model_name, "quantization": info.quantization, "kv_bytes_per_token": info.kv_bytes_per_token,
             "kv_cache_bytes": info.num_blocks * info.block_size * info.kv_bytes_per_token}
 
 
 def read_step_log(path: str | Path) -> tuple[dict, list[dict]]:
-    """(the engine's header, the steps)."""
-    lines = Path(path).read_text().splitlines()
+    """(the engine's header, the steps). A last line cut short (a server killed while writing) is dropped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read the step log {path} ({e})") from None
     try:
         head = json.loads(lines[0])["engine"] if lines else None
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -64,26 +67,34 @@ def read_step_log(path: str | Path) -> tuple[dict, list[dict]]:
     for i, line in enumerate(lines[1:], 1):
         try:
             rec = json.loads(line)
-            StepShape(**{k: rec[k] for k in SHAPE_FIELDS})
-            float(rec["start"]), float(rec["duration"])
+            StepShape(**{k: int(rec[k]) for k in SHAPE_FIELDS})
+            float(rec["start"]), float(rec["duration"]), int(rec["running"]), int(rec["waiting"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            if i == len(lines) - 1 and isinstance(e, json.JSONDecodeError):
+                break
             raise ValueError(f"{path}, line {i + 1}: not a step written by `tokenmill serve --step-log` ({e})") from None
         records.append(rec)
     return head, records
 
 
+# A gap between two steps this many times the median gap is not the loop's overhead but a pause (a restarted
+# engine core, requests held up by a KV transfer with nothing else to run): the step before it is charged as
+# one that left the engine idle.
+PAUSE_GAPS = 10
+
+
 def step_cycles(records: list[dict]) -> tuple[list[StepShape], list[float]]:
     """(shape, cycle seconds) per logged step. A step after which work remained (running or waiting) was
     followed at once by the next: its cycle is the time to the next step's start. A step that left the
-    engine idle, or the last one, gets its duration plus the median of the others' overhead between steps."""
+    engine idle, the last one, and one followed by a pause (a gap over PAUSE_GAPS times the median gap)
+    get their duration plus the median gap."""
     records = sorted(records, key=lambda r: r["start"])
-    cycles: list[float | None] = []
-    gaps = []
+    gaps: list[float | None] = []
     for rec, nxt in zip(records, records[1:] + [None]):
         busy = rec["running"] + rec["waiting"] > 0 and nxt is not None
-        cycles.append(nxt["start"] - rec["start"] if busy else None)
-        if busy:
-            gaps.append(max(nxt["start"] - rec["start"] - rec["duration"], 0.0))
-    overhead = statistics.median(gaps) if gaps else 0.0
+        gaps.append(max(nxt["start"] - rec["start"] - rec["duration"], 0.0) if busy else None)
+    median = statistics.median([g for g in gaps if g is not None] or [0.0])
     shapes = [StepShape(**{k: r[k] for k in SHAPE_FIELDS}) for r in records]
-    return shapes, [c if c is not None else r["duration"] + overhead for c, r in zip(cycles, records)]
+    cycles = [r["duration"] + (g if g is not None and g <= PAUSE_GAPS * max(median, 1e-4) else median)
+              for r, g in zip(records, gaps)]
+    return shapes, cycles

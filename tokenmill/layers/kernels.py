@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -101,22 +102,36 @@ CROSSING_TOKENS = (4, 6, 8, 10, 12, 16)
 SHAPES = ((1536, 576, 8), (576, 1536, 8), (16384, 576, 1))
 
 
-def _vnni_crossing(ops) -> int:  # noqa: ANN001
-    """The fewest tokens from which the AVX512-VNNI GEMM beats the AVX2 one on this CPU: it widens a panel
-    of weights once for all tokens, which pays from 8 tokens on a Sapphire Rapids-class Xeon (a whole
-    step of the embedded model: 1.15x slower at 7 tokens, 0.94x at 8, 0.78x at 12) and from about 16 on a
-    Zen 5 EPYC. Timed at load over SHAPES (about 0.3 s): the smallest count from which VNNI is 10% faster
-    at every larger one, 16 when none is. The results are the same bits either way.
-    ``TOKENMILL_VNNI_MIN_TOKENS=n`` sets it instead."""
+def vnni_min_tokens_from_env() -> int | None:
+    """``TOKENMILL_VNNI_MIN_TOKENS`` (None when unset); a value that is not a positive integer is refused."""
     env = os.environ.get("TOKENMILL_VNNI_MIN_TOKENS", "")
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"TOKENMILL_VNNI_MIN_TOKENS must be a positive integer, got {env!r}")
-        return int(env)
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"TOKENMILL_VNNI_MIN_TOKENS must be a positive integer (the fewest tokens a GEMM call "
+                         f"takes AVX512-VNNI for), got {env!r}; unset it to have the crossing timed")
+    return n
+
+
+def _vnni_crossing(ops) -> int:  # noqa: ANN001
+    """The fewest tokens from which the AVX512-VNNI GEMM beats the AVX2 one on this CPU (16 where VNNI is not
+    in use): it widens a panel of weights once for all tokens, which pays from 8 tokens on a Sapphire
+    Rapids-class Xeon (a whole step of the embedded model: 1.15x slower at 7 tokens, 0.94x at 8, 0.78x
+    at 12); an earlier, fixed-shape measurement on a Zen 5 EPYC had VNNI 0.9x at 8 tokens and 1.4x at 16.
+    Timed at load over SHAPES in Q8_0 (about 0.3 s): the smallest count from which VNNI is 10% faster
+    at every larger one, 16 when none is. The results are the same bits either way; the kernels' ISA
+    and crossing are as they were after the timing."""
     import time
 
     from tokenmill.layers.quant import FORMAT_IDS, QuantizedTensor
 
+    before, crossing_before = ops.kernel_isa(""), ops.vnni_min_tokens(0)
+    if before != "avx512vnni":  # this CPU lacks it, or TOKENMILL_CPU_ISA=avx2 turned it off
+        return 16
     gen = torch.Generator().manual_seed(0)
     mats = []
     for n, k, count in SHAPES:
@@ -126,7 +141,6 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
             w = QuantizedTensor(blocks.reshape(n, -1), "q8_0", (n, k)).kernel_layout()
             mats.append((w, n, torch.randn(max(CROSSING_TOKENS), k, generator=gen)))
     best: dict[tuple[str, int], float] = {}
-    before = ops.kernel_isa("")
     try:
         ops.vnni_min_tokens(1)
         for isa in ("avx2", "avx512vnni", "avx2", "avx512vnni"):  # alternated: a noisy machine hurts both alike
@@ -139,6 +153,7 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
                     best[isa, m] = min(time.perf_counter() - t, best.get((isa, m), float("inf")))
     finally:
         ops.kernel_isa(before)
+        ops.vnni_min_tokens(crossing_before)
     crossing = 16
     for m in reversed(CROSSING_TOKENS):
         # 10% to spare: these matrices favour VNNI by about 0.15 over a whole step (1.0x here at 6 tokens,
@@ -149,10 +164,19 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     return crossing
 
 
+_load_lock = threading.Lock()
+
+
 @functools.cache
 def cpu_kernels():
     """torch.ops.tokenmill with the CPU kernels loaded, or None (see unavailable_reason())."""
+    with _load_lock:  # functools.cache lets two first callers in at once; the timing below must run alone
+        return _load_kernels()
+
+
+def _load_kernels():  # noqa: ANN202
     global _reason
+    crossing = vnni_min_tokens_from_env()  # a bad value is the user's to fix, not a reason to go without kernels
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "") not in ("", "0"):
         _reason = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
@@ -170,10 +194,12 @@ def cpu_kernels():
                 torch.ops.load_library(str(_build(cxx)))
                 _reason = None
                 ops = torch.ops.tokenmill
+                ops.vnni_min_tokens(crossing or _vnni_crossing(ops))
                 if ops.kernel_isa("") == "avx512vnni":
-                    ops.vnni_min_tokens(_vnni_crossing(ops))
-                logger.info("tokenmill CPU kernels loaded; many-token GEMMs use %s from %d tokens",
-                            ops.kernel_isa(""), ops.vnni_min_tokens(0))
+                    logger.info("tokenmill CPU kernels loaded; many-token GEMMs use avx512vnni from %d tokens",
+                                ops.vnni_min_tokens(0))
+                else:
+                    logger.info("tokenmill CPU kernels loaded; many-token GEMMs use avx2")
                 return ops
             except Exception as e:  # noqa: BLE001 -- any failure means: use the torch paths, and say why
                 _reason = f"{type(e).__name__}: {e}"

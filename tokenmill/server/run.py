@@ -207,14 +207,20 @@ def serve_args(llm_engine, a) -> int:  # noqa: ANN001
     engine = AsyncEngine(llm_engine, max_waiting_requests=a.max_waiting_requests,
                          log_interval=0 if a.disable_log_stats else a.log_stats_interval,
                          log_requests=not a.disable_log_requests)
+    step_log = None
     if getattr(a, "step_log", None):
         from tokenmill.engine.step_log import StepLog
 
-        engine.observers.append(StepLog(a.step_log, llm_engine.info))
+        step_log = StepLog(a.step_log, llm_engine.info)
+        engine.observers.append(step_log)
     if a.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it can use it", a.host)
-    return serve(engine, config, a.host, a.port, log_level=a.uvicorn_log_level,
-                 access_log=not a.disable_access_log)
+    try:
+        return serve(engine, config, a.host, a.port, log_level=a.uvicorn_log_level,
+                     access_log=not a.disable_access_log)
+    finally:
+        if step_log is not None:
+            step_log.close()
 
 
 def run_from_args(a) -> int:  # noqa: ANN001
@@ -229,6 +235,11 @@ def run_from_args(a) -> int:  # noqa: ANN001
     if getattr(a, "model_arg", None):
         kwargs["model"] = a.model_arg
     config_from_args(a)  # flag errors before the slow model load
+    if getattr(a, "step_log", None):
+        try:
+            open(a.step_log, "w").close()  # noqa: SIM115 -- a path that cannot be written fails now, not later
+        except OSError as e:
+            raise ValueError(f"--step-log {a.step_log}: cannot write it ({e.strerror})") from None
     if a.restart_engine_core and not a.engine_core_process:
         raise ValueError("--restart-engine-core restarts an engine core process: drop --no-engine-core-process")
     llm_engine = LLMEngine(EngineConfig.from_kwargs(**kwargs), core_process=a.engine_core_process)

@@ -43,7 +43,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-overhead-ms", type=float, nargs="+", default=[0.0], metavar="MS",
                    help="the front end's time for each request outside the engine's steps (HTTP, tokenizing, "
                         "the first token back to the client), added to its TTFT and E2EL: FIXED [PER_1K] ms, "
-                        "PER_1K a thousand prompt tokens; about 5 + 5 ms on a 2-vCPU server, idle (default 0)")
+                        "PER_1K a thousand prompt tokens; about 5 ms fixed on a 2-vCPU server, idle "
+                        "(benchmarks/simulator_validation.py measures it; default 0)")
+    g.add_argument("--front-end-shares-cpu", action="store_true",
+                   help="the front end runs on the engine's own cores (a CPU server, as `tokenmill profile` "
+                        "measures): a request's --request-overhead-ms also slows the step running when it "
+                        "reaches the scheduler")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool bytes (e.g. 40GiB); default: 90%% of the device memory less the weights "
                         "(--hardware), or what the profile's engine had (--profile)")
@@ -216,7 +221,8 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     fixed, per_1k = (list(a.request_overhead_ms) + [0.0])[:2]
     sim = Simulator(cost, sched, num_blocks, a.block_size, max_len, a.enable_prefix_caching, keep_breakdown=True,
                     spec=spec, disaggregation=dis, steps_in_flight=in_flight,
-                    request_overhead_s=fixed / 1000, request_overhead_per_token_s=per_1k / 1e6)
+                    request_overhead_s=fixed / 1000, request_overhead_per_token_s=per_1k / 1e6,
+                    front_end_shares_cpu=a.front_end_shares_cpu)
     if fixed or per_1k:
         what += f"; {fixed:g} ms + {per_1k:g} ms per 1k prompt tokens of front end a request"
     return cost, sim, what, kv_token

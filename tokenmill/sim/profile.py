@@ -140,9 +140,11 @@ def profile_from_step_logs(paths: list[str], output: str) -> int:
     shapes, seconds, head = [], [], None
     for path in paths:
         engine, records = read_step_log(path)
-        if head is not None and engine != head:
-            raise ValueError(f"{path} was logged by another engine ({engine}) than {paths[0]} ({head})")
-        head = engine
+        same = ("model", "quantization", "kv_bytes_per_token")
+        if head is not None and any(engine.get(k) != head.get(k) for k in same):
+            raise ValueError(f"{path} was logged by another engine ({engine}) than {paths[0]} ({head}): fit each "
+                             "engine's logs separately")
+        head = head or engine  # the first log's KV pool is the profile's (the simulator's default pool)
         s, c = step_cycles(records)
         shapes += s
         seconds += c
@@ -160,6 +162,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from tokenmill.engine.arg_utils import engine_kwargs
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.step_log import engine_meta
 
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(a)))
     for layer in engine.runner.kv_caches:  # timing over a zeroed pool, not stale memory's NaNs or denormals
@@ -175,10 +178,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
     shapes, seconds = time_points(engine, points, report=report)
     if len(shapes) < 8:
         raise ValueError("too few profile points fit in the KV pool; raise --kv-cache-memory")
-    fit_held_out(shapes, seconds, {
-        "model": engine.model_name, "quantization": engine.quantization,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
-        "kv_cache_bytes": engine.kv_cache.num_blocks * engine.kv_cache.block_size * engine.kv_bytes_per_token,
-    }).save(a.output)
+    fit_held_out(shapes, seconds, engine_meta(engine.info)).save(a.output)
     print(f"saved {a.output}")
     return 0

@@ -179,6 +179,11 @@ class _Instance:
         _pipelined_step), or what was handed in."""
         return bool(self.inbox) or self.sched.has_work_beyond_in_flight()
 
+    def slow_step(self, seconds: float) -> None:
+        """The running step takes ``seconds`` longer (the front end took them from its cores)."""
+        out, shape, dt, draft_s, start, during, end = self.flight[0]
+        self.flight[0] = (out, shape, dt + seconds, draft_s, start, during, end + seconds)
+
     @property
     def has_work(self) -> bool:
         return bool(self.inbox) or self.sched.has_unfinished()
@@ -194,17 +199,21 @@ class Simulator:
                  block_size: int, max_model_len: int, enable_prefix_caching: bool = True,
                  keep_breakdown: bool = False, spec: SpecDecoding | None = None,
                  disaggregation: Disaggregation | None = None, steps_in_flight: int = 1,
-                 request_overhead_s: float = 0.0, request_overhead_per_token_s: float = 0.0) -> None:
+                 request_overhead_s: float = 0.0, request_overhead_per_token_s: float = 0.0,
+                 front_end_shares_cpu: bool = False) -> None:
         """steps_in_flight > 1: pipeline parallelism's steps in flight (``--pipeline-batches-in-flight``);
         the cost model then gives each step's ``pipeline_times`` (the first stage's turn, the latency).
         request_overhead_s (+ request_overhead_per_token_s a prompt token): the front end's time for a
         request outside the engine's steps (HTTP, tokenizing, the first token back to the client): each
         request reaches the scheduler that much after it arrives, and its TTFT and E2EL count from its
-        arrival."""
+        arrival. front_end_shares_cpu: the front end runs on the engine's own cores (a CPU server), so that
+        work also slows the step running when the request reaches the scheduler by as much (one step at a
+        time only)."""
         if request_overhead_s < 0 or request_overhead_per_token_s < 0:
-            raise ValueError(f"the request overhead must be >= 0, got {request_overhead_s} s + "
-                             f"{request_overhead_per_token_s} s a prompt token")
+            raise ValueError(f"the request overhead (--request-overhead-ms) must be >= 0, got "
+                             f"{1000 * request_overhead_s:g} ms + {1000 * request_overhead_per_token_s:g} ms a prompt token")
         self.request_overhead = (request_overhead_s, request_overhead_per_token_s)
+        self.front_end_shares_cpu = front_end_shares_cpu
         if steps_in_flight > 1 and not hasattr(getattr(cost, "inner", cost), "pipeline_times"):
             raise ValueError("steps in flight need a pipeline-parallel roofline cost model (--hardware with "
                              "--pipeline-parallel-size > 1)")
@@ -294,6 +303,8 @@ class _Run:
                 front = min(self.front, key=lambda y: y.load)
                 front.inbox.append(("new", k, ids))
                 front.stalled = False
+                if sim.front_end_shares_cpu and front.flight and front.max_flight == 1:
+                    front.slow_step(fixed + per_token * r.prompt_len)
             while self.landing and self.landing[0][0] <= t:  # ... and the transfers that ended
                 _, _, d, item = heapq.heappop(self.landing)
                 insts[d].inbox.append(item)

@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -451,16 +452,18 @@ bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
-bool g_use_vnni = [] {
+// Atomics: a test or the load-time timing may switch them while another thread runs a GEMM (relaxed: the
+// bits are the same either way, only which form runs changes).
+std::atomic<bool> g_use_vnni{[] {
   const char* e = std::getenv("TOKENMILL_CPU_ISA");
   return cpu_has_vnni() && !(e && std::string(e) == "avx2");
-}();
+}()};
 // Below this many tokens the AVX2 tiles win: widening a panel costs about as much as a few tokens' work.
 // Measured (benchmarks/linear_kernels.py, the model's shapes, 2 threads): on a Sapphire Rapids-class Xeon
 // VNNI ran 0.7x at M=2, 1.2-1.5x at M=8, 3-4x at M=512; on a Zen 5 EPYC 0.9x at M=8 (0.5x on the output
 // head), 1.4x at M=16, 2.7x at M=64, 3.4x at M=512. The crossing differs by machine: kernels.py times it
 // when it loads the kernels and sets it with vnni_min_tokens().
-int64_t g_vnni_min_tokens = 16;
+std::atomic<int64_t> g_vnni_min_tokens{16};
 
 template <int F, int RN>
 inline void rows_all_tokens(const uint8_t* W, int64_t row_bytes, int64_t nb, const int16_t* xq, const float* xd,
@@ -483,7 +486,8 @@ constexpr int64_t PF_DIST = 8192;
 template <int F>
 void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t ld,
           int64_t M, float* y, bool accumulate) {
-  if (g_use_vnni && M >= g_vnni_min_tokens) return gemm_vnni<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
+  if (g_use_vnni.load(std::memory_order_relaxed) && M >= g_vnni_min_tokens.load(std::memory_order_relaxed))
+    return gemm_vnni<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
   const int64_t nb = K / QK;
   const int64_t row_bytes = row_bytes_of(F, nb);
   // Tokens in chunks whose quantized activations stay in L2 while every row of this thread passes over them.
@@ -685,7 +689,7 @@ at::Tensor flinear(const at::Tensor& x, const at::Tensor& w, int64_t n_out, cons
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool wide = g_use_vnni;  // AVX512 where the many-token GEMM uses it; the same bits either way
+  const bool wide = g_use_vnni.load(std::memory_order_relaxed);  // AVX512 where the many-token GEMM uses it; the same bits either way
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(FP, n_out - p * FP));
@@ -1249,19 +1253,19 @@ at::Tensor mlp_half(const at::Tensor& x, at::TensorList weights, at::IntArrayRef
 // The many-token GEMM's instruction set: "" reports it, "avx2" or "avx512vnni" selects it (for tests and
 // benchmarks; the results are the same bits).
 std::string kernel_isa(std::string name) {
-  if (name == "avx2") g_use_vnni = false;
+  if (name == "avx2") g_use_vnni.store(false);
   else if (name == "avx512vnni") {
     TORCH_CHECK(cpu_has_vnni(), "tokenmill::kernel_isa: this CPU lacks AVX512-VNNI (avx512f/bw/vl/vnni)");
-    g_use_vnni = true;
+    g_use_vnni.store(true);
   } else TORCH_CHECK(name.empty(), "tokenmill::kernel_isa: name must be '', 'avx2' or 'avx512vnni', got '", name, "'");
-  return g_use_vnni ? "avx512vnni" : "avx2";
+  return g_use_vnni.load() ? "avx512vnni" : "avx2";
 }
 
 // The fewest tokens the many-token GEMM takes VNNI for: n > 0 sets it, 0 reports it.
 int64_t vnni_min_tokens(int64_t n) {
   TORCH_CHECK(n >= 0, "tokenmill::vnni_min_tokens: n must be >= 0, got ", n);
-  if (n > 0) g_vnni_min_tokens = n;
-  return g_vnni_min_tokens;
+  if (n > 0) g_vnni_min_tokens.store(n);
+  return g_vnni_min_tokens.load();
 }
 
 }  // namespace
