@@ -138,9 +138,9 @@ def profile_from_step_logs(paths: list[str], output: str) -> int:
     from tokenmill.engine.step_log import read_step_log, step_cycles
 
     shapes, seconds, head = [], [], None
+    same = ("model", "quantization", "kv_bytes_per_token")  # what logs fitted together must share
     for path in paths:
         engine, records = read_step_log(path)
-        same = ("model", "quantization", "kv_bytes_per_token")
         if head is not None and any(engine.get(k) != head.get(k) for k in same):
             raise ValueError(f"{path} was logged by another engine ({engine}) than {paths[0]} ({head}): fit each "
                              "engine's logs separately")

@@ -280,7 +280,8 @@ class _Run:
     def run(self) -> SimResult:
         sim, requests, insts = self.sim, self.requests, self.insts
         fixed, per_token = sim.request_overhead
-        arrivals = [a + fixed + per_token * r.prompt_len for a, r in zip(self.arrivals, requests)]  # at the scheduler
+        overhead = [fixed + per_token * r.prompt_len for r in requests]  # the front end's time for each
+        arrivals = [a + o for a, o in zip(self.arrivals, overhead)]  # at the scheduler
         order = np.argsort(np.asarray(arrivals, dtype=float), kind="stable")
         i, n = 0, len(requests)
         while True:
@@ -304,7 +305,7 @@ class _Run:
                 front.inbox.append(("new", k, ids))
                 front.stalled = False
                 if sim.front_end_shares_cpu and front.flight and front.max_flight == 1:
-                    front.slow_step(fixed + per_token * r.prompt_len)
+                    front.slow_step(overhead[k])
             while self.landing and self.landing[0][0] <= t:  # ... and the transfers that ended
                 _, _, d, item = heapq.heappop(self.landing)
                 insts[d].inbox.append(item)
