@@ -34,10 +34,12 @@ def gguf_path():
 @pytest.fixture(scope="session")
 def llm_fp32():
     """The default model with float32 weights (the GGUF dequantized), the precision the reference
-    comparisons need (the default, --quantization auto, would keep the file's int4/int8 blocks)."""
+    comparisons need (the default, --quantization auto, would keep the file's int4/int8 blocks). The server
+    tests serve it, so it measures the roofline as `serve` does."""
     from tokenmill import LLM
 
-    return LLM(DEFAULT_MODEL, dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048)
+    return LLM(DEFAULT_MODEL, dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=2048,
+               measure_roofline=True)
 
 
 @pytest.fixture(scope="session")

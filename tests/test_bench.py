@@ -260,12 +260,14 @@ def test_concurrency_cap_holds_requests_in_the_client(fake_server):
 
 
 def test_cli_compare_sweep_json_and_plots(fake_server, tiny_tokenizer, tmp_path, capsys):
+    # B's scripted TTFT (a sleep) is a floor the SLO sits below; A has 400 ms of room for a loaded machine
+    slo_ms = round(1000 * SLOW_TTFT) - 50
     a, b = fake_server(slow_every=10**6), fake_server(slow_every=1)  # b: every request slow
     out = tmp_path / "r.json"
     plots = tmp_path / "plots"
     rc = main(["bench", "serve", "--base-url", a.url, "--model", "fake", "--tokenizer", tiny_tokenizer,
                "--compare", b.url, "--label", "A", "--compare-label", "B", "--num-prompts", "4", "--input-len", "8",
-               "--output-len", "3", "--sweep", "20,10", "--goodput", "ttft:300", "--slo-percentile", "90",
+               "--output-len", "3", "--sweep", "20,10", "--goodput", f"ttft:{slo_ms}", "--slo-percentile", "90",
                "--save-result", str(out), "--plot", str(plots), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -277,7 +279,7 @@ def test_cli_compare_sweep_json_and_plots(fake_server, tiny_tokenizer, tmp_path,
     for r in runs:
         assert r["completed"] == 4 and len(r["requests"]) == 4
         assert all(len(q["chunk_times_s"]) == 3 for q in r["requests"])
-    assert runs[0]["p90_ttft_ms"] < 300 < runs[1]["p90_ttft_ms"]
+    assert runs[0]["p90_ttft_ms"] < slo_ms < runs[1]["p90_ttft_ms"]
     assert "A: highest request rate meeting the SLOs: 20" in text
     assert "B: highest request rate meeting the SLOs: none" in text
     assert {p.name for p in plots.iterdir()} == {"latency_cdf.png", "tokens_in_flight.png", "sweep.png"}

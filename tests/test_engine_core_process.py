@@ -52,7 +52,7 @@ def _run(engine: LLMEngine) -> dict:
 
 
 def test_core_process_gives_the_in_process_outputs(llm_default):
-    remote = LLMEngine(EngineConfig.from_kwargs(model=DEFAULT_MODEL, **ENGINE), core_process=True)
+    remote = LLMEngine(EngineConfig.from_kwargs(model=DEFAULT_MODEL, measure_roofline=True, **ENGINE), core_process=True)
     try:
         assert remote.core.process.is_alive() and remote.core.process.pid != os.getpid()
         got, want = _run(remote), _run(llm_default.engine)

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import prefill_logits
+from helpers import needs_kernels, prefill_logits
 
 import tiny_models as tm
 from tokenmill import LLM, SamplingParams
@@ -286,16 +286,14 @@ def test_gguf_permutation_matches_transformers_gguf_loader(gguf_built, prompt_id
     assert rel_err(tm.hf_logits(theirs, prompt_ids), tm.hf_logits(model, prompt_ids)) < TOL
 
 
+@needs_kernels
 def test_quantization_auto_keeps_a_quantized_files_blocks(gguf_built, hf_built, tmp_path, prompt_ids):
     """--quantization auto (the default): a GGUF file whose layers are all Q4_0/Q4_1/Q8_0 runs as gguf
     (llama.cpp's behaviour, the fast path); a float or mixed-format file, a folder, or a device or dtype
     the integer kernels do not serve, stays float."""
-    from tokenmill.layers.kernels import cpu_kernels
     from tokenmill.layers.quant import QuantizedLinear
     from tokenmill.models.loader import resolve_quantization
 
-    if cpu_kernels() is None:
-        pytest.skip("the integer CPU kernels are not built here")
     model = tm.random_hf_model("llama", seed=3)
     kept = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q8_0, "attn_output": T.Q8_0,
             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.Q8_0}

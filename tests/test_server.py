@@ -8,6 +8,7 @@ takes the engine. Completions stay short: the CPU is slow.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -325,11 +326,13 @@ def test_disconnects_under_load_free_all_blocks(server, http):
 def test_metrics_match_what_was_sent(http):
     before = metrics(http)
     usages = []
+    t = time.perf_counter()
     for max_tokens in (3, 5):
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
         usages.append(r.json()["usage"])
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0})
     usages.append(r.json()["usage"])
+    client_s = time.perf_counter() - t  # the three requests one after another, as the client saw them
     after = metrics(http)
     lab = f"model_name={MODEL}"
 
@@ -343,7 +346,19 @@ def test_metrics_match_what_was_sent(http):
               "request_prefill_time_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds",
               "request_inference_time_seconds"):
         assert delta(f"vllm:{h}_count{{{lab}}}") == 3, h
-        assert delta(f"vllm:{h}_sum{{{lab}}}") >= 0, h
+    s = {h: delta(f"vllm:{h}_seconds_sum{{{lab}}}") for h in (
+        "time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+        "request_decode_time", "request_inference_time", "inter_token_latency")}
+    # each phase took time, the server saw no more than the client did, and the phases add up: e2e is queue
+    # then inference, TTFT is queue then prefill, inference is prefill then decode, decode is about the tokens' gaps
+    assert all(v > 0 for k, v in s.items() if k != "request_queue_time"), s
+    assert s["e2e_request_latency"] < client_s
+    close = functools.partial(pytest.approx, rel=1e-6, abs=1e-6)
+    assert s["e2e_request_latency"] == close(s["request_queue_time"] + s["request_inference_time"])
+    assert s["time_to_first_token"] == close(s["request_queue_time"] + s["request_prefill_time"])
+    assert s["request_inference_time"] == close(s["request_prefill_time"] + s["request_decode_time"])
+    # (a request finishes just after its last token's time is taken)
+    assert s["inter_token_latency"] <= s["request_decode_time"] == pytest.approx(s["inter_token_latency"], rel=0.05)
     # one inter-token latency per token after the first
     assert delta(f"vllm:inter_token_latency_seconds_count{{{lab}}}") == sum(u["completion_tokens"] - 1 for u in usages)
     assert delta(f"vllm:request_generation_tokens_sum{{{lab}}}") == sum(u["completion_tokens"] for u in usages)

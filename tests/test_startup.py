@@ -65,12 +65,12 @@ def test_the_pool_is_never_read_before_it_is_written(llm_default):
 
 
 @pytest.mark.slow
+@needs_kernels
 def test_a_tied_embedding_kept_as_blocks_has_no_float_copy(llm_default, llm_fp32):
     from tokenmill.layers.quant import QuantizedEmbedding
 
     emb = llm_default.engine.runner.model.embed_tokens
-    if llm_default.engine.quantization != "gguf":
-        pytest.skip("the default is not the GGUF's own blocks here (no kernels)")
+    assert llm_default.engine.quantization == "gguf"
     assert isinstance(emb, QuantizedEmbedding) and not any(True for _ in emb.parameters())
     ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])
     assert torch.equal(emb(ids), llm_fp32.engine.runner.model.embed_tokens(ids))
@@ -89,3 +89,27 @@ def test_our_gguf_metadata_parse_reads_what_the_gguf_package_reads(gguf_path):
         assert ours.fields[key].contents() == field.contents(), key
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
            [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+
+
+# Runs argv and prints its wall time and its peak resident KiB (the one child's, not this test process's).
+_MEASURE = ("import resource, subprocess, sys, time\n"
+            "t = time.perf_counter()\n"
+            "subprocess.run(sys.argv[1:], check=True, capture_output=True)\n"
+            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def _measure(*argv: str) -> tuple[float, int]:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    seconds, kib = out.stdout.split()
+    return float(seconds), int(kib) * 1024
+
+
+@pytest.mark.slow
+def test_a_one_token_answer_is_small_and_quick():
+    """`tokenmill generate "Hi" --max-tokens 1` peaks under 500 MB resident (a one-shot command measures no
+    roofline) and takes at most 1.5 s more than a bare `import torch` timed here, each the best of two."""
+    bare = min(_measure(sys.executable, "-c", "import torch")[0] for _ in range(2))
+    runs = [_measure(sys.executable, "-m", "tokenmill.cli", "generate", "Hi", "--max-tokens", "1") for _ in range(2)]
+    assert max(peak for _, peak in runs) < 500e6, runs
+    assert min(s for s, _ in runs) - bare < 1.5, (runs, bare)

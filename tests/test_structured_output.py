@@ -107,22 +107,49 @@ def test_without_the_constraint_the_same_samples_do_not_validate(llm_default):
     assert valid < 5
 
 
-@pytest.mark.slow
-def test_regex_choice_and_grammar_constraints(llm_default):
-    def gen(so, **kw):
-        sp = SamplingParams(**{"temperature": 1.0, "max_tokens": 32, "seed": 3, "structured_outputs": so, **kw})
-        return [o.outputs[0].text for o in llm_default.generate(["Answer:"] * 8, sp, use_tqdm=False)]
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
-    assert all(re.fullmatch(r"[a-z]{2,6}@example\.(com|org)", t) for t in gen(StructuredOutputsParams(
-        regex=r"[a-z]{2,6}@example\.(com|org)")))
-    assert set(gen(StructuredOutputsParams(choice=["yes", "no", "maybe"]), n=1)) <= {"yes", "no", "maybe"}
-    # a stop string inside the constrained text ends it there
-    assert all(re.fullmatch(r"[a-z]{2,6}", t) for t in gen(StructuredOutputsParams(
-        regex=r"[a-z]{2,6}@example\.(com|org)"), stop=["@"]))
-    gbnf = 'root ::= "(" num " " op " " num ")"\nnum ::= [0-9]+\nop ::= "+" | "-"'
-    assert all(re.fullmatch(r"\(\d+ [+-] \d+\)", t) for t in gen(StructuredOutputsParams(grammar=gbnf)))
-    objs = gen(StructuredOutputsParams(json_object=True), max_tokens=64)
-    assert all(isinstance(json.loads(t), dict) for t in objs if t.endswith("}"))
+
+EMAIL = r"[a-z]{2,6}@example\.(com|org)"
+GBNF = 'root ::= "(" num " " op " " num ")"\nnum ::= [0-9] | [0-9] [0-9] | [0-9] [0-9] [0-9]\nop ::= "+" | "-"'
+# (constraint, the check each finished output passes, how many of the eight must finish within 48 tokens: an
+# object can go on for ever, the others cannot)
+CONSTRAINTS = {
+    "regex": (StructuredOutputsParams(regex=EMAIL), lambda t: re.fullmatch(EMAIL, t), 8),
+    "choice": (StructuredOutputsParams(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe"), 8),
+    "grammar": (StructuredOutputsParams(grammar=GBNF), lambda t: re.fullmatch(r"\(\d{1,3} [+-] \d{1,3}\)", t), 8),
+    "json_object": (StructuredOutputsParams(json_object=True), _json_object, 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_regex_choice_grammar_and_json_object_constraints(llm_default, name):
+    """Eight samples (a seed each) finish inside the constraint; the same seeds without it do not (negative
+    control: the mask, not the prompt, makes them valid)."""
+    so, check, need = CONSTRAINTS[name]
+
+    def gen(so):  # noqa: ANN001
+        params = [SamplingParams(temperature=1.0, max_tokens=48, seed=i, structured_outputs=so) for i in range(8)]
+        return [o.outputs[0] for o in llm_default.generate(["Answer:"] * 8, params, use_tqdm=False)]
+
+    constrained = gen(so)
+    assert len({c.text for c in constrained}) > 1  # eight samples, not one repeated
+    finished = [c.text for c in constrained if c.finish_reason == "stop"]
+    assert len(finished) >= need and all(check(t) for t in finished), [(c.finish_reason, c.text) for c in constrained]
+    assert sum(bool(check(c.text)) for c in gen(None)) <= 1
+
+
+@pytest.mark.slow
+def test_a_stop_string_inside_a_constraint_ends_the_text_there(llm_default):
+    sp = SamplingParams(temperature=1.0, max_tokens=32, seed=3, stop=["@"],
+                        structured_outputs=StructuredOutputsParams(regex=EMAIL))
+    outs = [o.outputs[0] for o in llm_default.generate(["Answer:"] * 4, sp, use_tqdm=False)]
+    assert all(re.fullmatch(r"[a-z]{2,6}", c.text) and c.finish_reason == "stop" for c in outs)
 
 
 @pytest.mark.slow

@@ -125,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(s)
     add_engine_args(s)
     add_kv_transfer_args(s)
-    # a server plans steps to an inter-token latency; offline commands keep the throughput budget
-    # a server plans steps to an inter-token latency; offline commands keep the throughput budget
-    s.set_defaults(func=cmd_serve, serve_itl_target_ms=SERVE_ITL_TARGET_MS)
+    # a server plans steps to an inter-token latency; offline commands keep the throughput budget. Only a
+    # server reports its use of the machine's roofline (/metrics), so only it measures one at startup.
+    s.set_defaults(func=cmd_serve, serve_itl_target_ms=SERVE_ITL_TARGET_MS, measure_roofline=True)
 
     from tokenmill.server.args import add_router_args
 
@@ -143,8 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.bench.offline import add_offline_args
-    from tokenmill.bench.serve import add_serve_args
+    from tokenmill.bench.args import add_offline_args, add_serve_args
 
     bs = bsub.add_parser("serve", help="TTFT, TPOT, ITL, E2EL, throughput and goodput of a running server",
                          description="Send a workload to an OpenAI-compatible server (tokenmill, vLLM, llama.cpp's "

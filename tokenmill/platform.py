@@ -9,14 +9,29 @@ import torch
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX makes bf16 GEMMs several times faster than fp32 on x86 CPUs."""
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith(field)), "")
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the kernel reports them (empty off Linux)."""
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_name() -> str:
+    import platform
+
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX makes bf16 GEMMs several times faster than fp32 on x86 CPUs."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = False) -> torch.dtype:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tokenmill.bench.args import ENDPOINTS
 from tokenmill.bench.datasets import SampleRequest
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @dataclass

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.bench.args import DATASETS
 from tokenmill.tokenizer import Tokenizer
 
-DATASETS = ("random", "shared-prefix", "text", "trace", "sharegpt")
 DEFAULT_INPUT_LEN = 128
 DEFAULT_OUTPUT_LEN = 128
 

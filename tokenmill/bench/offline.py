@@ -14,21 +14,7 @@ import time
 from pathlib import Path
 
 from tokenmill.bench.datasets import DatasetSpec, sample_requests
-from tokenmill.bench.serve import add_dataset_args, dataset_spec
-
-# (input_len, output_len, input range ratio, output range ratio)
-PRESETS = {"fixed": (128, 128, 0.0, 0.0), "mixed": (528, 272, 496 / 528, 240 / 272)}
-
-
-def add_offline_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=[*PRESETS, "dataset"], default="fixed",
-                   help="fixed: 128 in / 128 out (default); mixed: 32-1024 in / 32-512 out; "
-                        "dataset: what --dataset and its flags describe")
-    p.add_argument("--warmup", type=int, default=4, help="short requests run first, not timed (default 4)")
-    p.add_argument("--output-json", default=None, metavar="FILE", help="write the figures as JSON")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_dataset_args(p, seed=False)
-
+from tokenmill.bench.args import PRESETS, dataset_spec
 
 def build_requests(a: argparse.Namespace, tokenizer) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) per request."""

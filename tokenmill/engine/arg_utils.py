@@ -197,6 +197,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 speculative_model=a.speculative_model, speculative_quantization=a.speculative_quantization,
                 itl_target_ms=_itl_target_ms(a), slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                 slo_policy=a.slo_policy, step_cost_profile=a.step_cost_profile,
+                measure_roofline=getattr(a, "measure_roofline", False),
                 tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
                 pipeline_micro_batches=a.pipeline_micro_batches,
                 pipeline_batches_in_flight=a.pipeline_batches_in_flight, all2all_backend=a.all2all_backend,

@@ -18,19 +18,6 @@ class Roofline:
     source: str  # where the peaks come from
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
-
 @functools.cache
 def machine_roofline(device_type: str, device_index: int | None, dtype_name: str) -> Roofline:
     """The roofline of the device the engine runs on, computing in ``dtype_name`` (a torch dtype's name)."""
@@ -47,7 +34,9 @@ def machine_roofline(device_type: str, device_index: int | None, dtype_name: str
                 return Roofline(name, hw.peak_flops[key], hw.memory_bandwidth, f"datasheet: {hw.source}")
         device = torch.device("cuda", device_index)
     else:
-        name = f"{_cpu_name()}, {torch.get_num_threads()} threads"
+        from tokenmill.platform import cpu_name
+
+        name = f"{cpu_name()}, {torch.get_num_threads()} threads"
         device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     flops, bandwidth, how = _measure(device, dtype)
     return Roofline(name, flops, bandwidth, how)

@@ -9,7 +9,8 @@ use the pure-torch paths in ``tokenmill/layers/quant.py``.
 
 Set ``TOKENMILL_DISABLE_CPU_KERNELS=1`` to force the torch paths. The many-token GEMM picks its
 instruction set at run time (AVX512-VNNI where the CPU has it, else AVX2; the same bits either way),
-VNNI from as many tokens as pays on this CPU (timed at load, ``_vnni_crossing``);
+VNNI from as many tokens as pays on this CPU (timed at the first load on a machine, ``_vnni_crossing``, and
+kept beside the build);
 ``TOKENMILL_CPU_ISA=avx2`` forces AVX2, and ``torch.ops.tokenmill.kernel_isa("")`` says which is in use.
 """
 
@@ -20,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -28,6 +30,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from tokenmill.platform import cpu_flags, cpu_name
 
 logger = logging.getLogger("tokenmill")
 
@@ -40,15 +44,6 @@ _reason: str | None = None
 def unavailable_reason() -> str | None:
     """Why the CPU kernels are not in use (None when they are, or have not been asked for yet)."""
     return _reason
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.split(":", 1)[-1].split())
 
 
 def _cache_dir() -> Path:
@@ -93,7 +88,7 @@ def kernels_expected() -> bool:
     disabled. The tests fail rather than skip when the kernels are missing on such a machine."""
     return (os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "") in ("", "0")
             and platform.machine().lower() in ("x86_64", "amd64")
-            and {"avx2", "fma", "f16c"} <= _cpu_flags() and _compiler() is not None)
+            and {"avx2", "fma", "f16c"} <= cpu_flags() and _compiler() is not None)
 
 
 CROSSING_TOKENS = (4, 6, 8, 10, 12, 16)
@@ -164,6 +159,27 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     return crossing
 
 
+def _cached_crossing(ops, so: Path) -> int:  # noqa: ANN001
+    """_vnni_crossing, timed once per (kernel build, CPU, thread count) and kept beside the build: a
+    one-shot command should not spend a second of its start timing GEMMs (the result only moves speed)."""
+    if ops.kernel_isa("") != "avx512vnni":
+        return 16
+    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:60]
+    path = so.with_name(f"{so.stem}.vnni-crossing.{cpu}.{torch.get_num_threads()}t")
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        pass
+    crossing = _vnni_crossing(ops)
+    try:
+        tmp = path.with_name(path.name + f".{os.getpid()}")
+        tmp.write_text(str(crossing))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache only costs the timing next time
+        logger.debug("could not keep the VNNI crossing in %s: %s", path, e)
+    return crossing
+
+
 _load_lock = threading.Lock()
 
 
@@ -181,7 +197,7 @@ def _load_kernels():  # noqa: ANN202
         _reason = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
         _reason = f"the kernels are x86-64 AVX2 code and this machine is {platform.machine()}"
-    elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    elif not {"avx2", "fma", "f16c"} <= cpu_flags():
         _reason = "this CPU lacks AVX2, FMA or F16C"
     elif not SOURCE.exists():
         _reason = f"the kernel source {SOURCE} is not installed"
@@ -191,10 +207,11 @@ def _load_kernels():  # noqa: ANN202
             _reason = "no C++ compiler (g++, c++ or clang++) on PATH; install one to build the kernels"
         else:
             try:
-                torch.ops.load_library(str(_build(cxx)))
+                so = _build(cxx)
+                torch.ops.load_library(str(so))
                 _reason = None
                 ops = torch.ops.tokenmill
-                ops.vnni_min_tokens(crossing or _vnni_crossing(ops))
+                ops.vnni_min_tokens(crossing or _cached_crossing(ops, so))
                 if ops.kernel_isa("") == "avx512vnni":
                     logger.info("tokenmill CPU kernels loaded; many-token GEMMs use avx512vnni from %d tokens",
                                 ops.vnni_min_tokens(0))

@@ -48,6 +48,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     metrics = ServerMetrics(serving.model_name, lambda: engine.snapshot, serving.max_model_len, utilization=meter,
                             nvml=Nvml(info.device, info.device_uuid))
     engine.observers.append(metrics)
+    serving.on_refused = metrics.on_refused
 
     history = MetricsHistory(metrics.registry.collect) if config.dashboard else None
 

@@ -25,6 +25,7 @@ TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5
                          20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0]
+REFUSAL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 
 
 def _token_buckets(max_model_len: int) -> list[float]:
@@ -113,6 +114,12 @@ class ServerMetrics:
                                   ["model_name", "reason"], registry=reg)
         for reason in ("ttft_slo", "queue_full"):
             self._admission.labels(model_name, reason)
+        # how fast a refused request hears so: measured by the server, from the request's arrival (its body
+        # read) to its 503, not what a client sharing the machine sees
+        self._refusal = Histogram("tokenmill:request_refusal_seconds", "Seconds from a request's arrival to its "
+                                  "503 at admission, by code: slo_overloaded (shed for its TTFT SLO) or overloaded "
+                                  "(--max-waiting-requests).", ["model_name", "code"],
+                                  buckets=REFUSAL_BUCKETS, registry=reg)
         self.predicted_misses = counter("tokenmill:slo_predicted_misses", "Requests admitted under --slo-policy "
                                         "queue although their predicted TTFT missed the SLO.")
         self.batch_target = Gauge("tokenmill:batch_size_target", "Running requests the planner allows (the "
@@ -173,6 +180,9 @@ class ServerMetrics:
             self.predicted_misses.inc()
         else:
             self._admission.labels(self._model_name, outcome).inc()
+
+    def on_refused(self, code: str, seconds: float) -> None:
+        self._refusal.labels(self._model_name, code).observe(seconds)
 
     def on_step(self, stats: StepStats) -> None:
         self.engine_busy.inc(stats.duration)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi.exceptions import RequestValidationError
@@ -133,6 +133,8 @@ class ServingBase:
         self.created = int(time.time())
         self.draining = False
         self.token_text = _TokenText(self.tokenizer)
+        # (code, seconds from the request's arrival to its refusal): set by build_app to the metrics' hook
+        self.on_refused: Callable[[str, float], None] | None = None
 
     def check_serving(self) -> None:
         if self.engine.error is not None:
@@ -256,7 +258,10 @@ class ServingBase:
         if errors:
             for st in streams:
                 st.abort()
-            raise self._engine_error(errors[0], prep) from errors[0]
+            err = self._engine_error(errors[0], prep)
+            if isinstance(errors[0], (QueueFullError, SLOShedError)) and self.on_refused is not None:
+                self.on_refused(err.code, time.perf_counter() - arrival)
+            raise err from errors[0]
         prep.streams.extend(streams)
 
     def _engine_error(self, e: BaseException, prep: _Prepared) -> BaseException:

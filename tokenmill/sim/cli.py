@@ -11,7 +11,7 @@ from pathlib import Path
 SEARCH_STEPS = 8  # bisection steps of the rate search once a failing rate is bracketed
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.bench.serve import add_dataset_args
+    from tokenmill.bench.args import add_dataset_args
     from tokenmill.engine.arg_utils import add_latency_args, add_speculative_args
     from tokenmill.sim.spec import DEFAULT_ACCEPTANCE
 
@@ -295,7 +295,7 @@ def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN2
 def workload(a: argparse.Namespace):  # noqa: ANN201
     from tokenmill.bench.datasets import PromptMaker, sample_requests
     from tokenmill.tokenizer import load_tokenizer
-    from tokenmill.bench.serve import dataset_spec
+    from tokenmill.bench.args import dataset_spec
 
     spec = dataset_spec(a)
     spec.check()
