@@ -107,9 +107,12 @@ def _measure(*argv: str) -> tuple[float, int]:
 
 @pytest.mark.slow
 def test_a_one_token_answer_is_small_and_quick():
-    """`tokenmill generate "Hi" --max-tokens 1` peaks under 500 MB resident (a one-shot command measures no
-    roofline) and takes at most 1.5 s more than a bare `import torch` timed here, each the best of two."""
-    bare = min(_measure(sys.executable, "-c", "import torch")[0] for _ in range(2))
+    """`tokenmill generate "Hi" --max-tokens 1` (a one-shot command measures no roofline) holds its own peak
+    resident memory, above a bare `import torch`, under 280 MB (500 MB in all where torch takes 220 MB), and
+    takes at most 1.5 s more than that import; both measured here, each the best of two. (torch's own
+    resident size is not ours to bound: the same wheel peaked at 219 and 270 MiB in two venvs of one machine,
+    with its libraries' pages cached differently.)"""
+    bare = [_measure(sys.executable, "-c", "import torch") for _ in range(2)]
     runs = [_measure(sys.executable, "-m", "tokenmill.cli", "generate", "Hi", "--max-tokens", "1") for _ in range(2)]
-    assert max(peak for _, peak in runs) < 500e6, runs
-    assert min(s for s, _ in runs) - bare < 1.5, (runs, bare)
+    assert max(peak for _, peak in runs) - min(peak for _, peak in bare) < 280e6, (runs, bare)
+    assert min(s for s, _ in runs) - min(s for s, _ in bare) < 1.5, (runs, bare)
