@@ -52,3 +52,15 @@ def wait_healthy(url: str, proc, timeout: float = 120.0) -> None:  # noqa: ANN00
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else f"exited with {proc.returncode}"
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.2)
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+    """The sum of a /metrics page's samples called ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                found = (found or 0.0) + s.value
+    return found

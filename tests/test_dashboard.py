@@ -24,19 +24,12 @@ from tokenmill.engine.roofline import Roofline
 from tokenmill.engine.utilization import UtilizationMeter
 from tokenmill.monitor.scrape import Scrape, frame, histogram_quantile
 
+from helpers import metric
 from test_server_failures import FakeRunner, fake_engine, running
 
 KEY = "dash-key"
 
 
-def metric(text: str, name: str, **labels) -> float | None:
-    """The sum of a /metrics page's samples called ``name`` whose labels include ``labels``."""
-    found = None
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                found = (found or 0.0) + s.value
-    return found
 
 
 class SpinRunner(FakeRunner):

@@ -22,7 +22,7 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.app import ServerConfig, build_app
 from tokenmill.server.run import BackgroundServer
 
-from test_dashboard import metric
+from helpers import metric
 
 pytestmark = pytest.mark.slow
 

@@ -22,6 +22,7 @@ def test_no_torch_until_an_engine_is_built(code):
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120)
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
     assert "tokenmill" in imported and "torch" not in imported
+    assert "httpx" not in imported  # the bench commands' flags come without their client (bench/args.py)
 
 
 def test_kv_pool_sizing_rule():
@@ -94,7 +95,8 @@ def test_our_gguf_metadata_parse_reads_what_the_gguf_package_reads(gguf_path):
 # Runs argv and prints its wall time and its peak resident KiB (the one child's, not this test process's).
 _MEASURE = ("import resource, subprocess, sys, time\n"
             "t = time.perf_counter()\n"
-            "subprocess.run(sys.argv[1:], check=True, capture_output=True)\n"
+            "r = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+            "assert r.returncode == 0, r.stderr[-2000:]\n"
             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
@@ -102,17 +104,22 @@ def _measure(*argv: str) -> tuple[float, int]:
     out = subprocess.run([sys.executable, "-c", _MEASURE, *argv], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     seconds, kib = out.stdout.split()
-    return float(seconds), int(kib) * 1024
+    return float(seconds), int(kib) * 1024  # (Linux: ru_maxrss in KiB)
 
 
 @pytest.mark.slow
+@needs_kernels
 def test_a_one_token_answer_is_small_and_quick():
     """`tokenmill generate "Hi" --max-tokens 1` (a one-shot command measures no roofline) holds its own peak
     resident memory, above a bare `import torch`, under 280 MB (500 MB in all where torch takes 220 MB), and
-    takes at most 1.5 s more than that import; both measured here, each the best of two. (torch's own
-    resident size is not ours to bound: the same wheel peaked at 219 and 270 MiB in two venvs of one machine,
-    with its libraries' pages cached differently.)"""
-    bare = [_measure(sys.executable, "-c", "import torch") for _ in range(2)]
-    runs = [_measure(sys.executable, "-m", "tokenmill.cli", "generate", "Hi", "--max-tokens", "1") for _ in range(2)]
-    assert max(peak for _, peak in runs) - min(peak for _, peak in bare) < 280e6, (runs, bare)
+    takes at most 1.5 s more than that import; both measured here, alternated, the best of two each after a
+    run that warms the caches. (torch's own resident size is not ours to bound: the same wheel peaked at 219
+    and 270 MiB in two venvs of one machine, its libraries' pages cached differently.)"""
+    cli = (sys.executable, "-m", "tokenmill.cli", "generate", "Hi", "--max-tokens", "1")
+    _measure(*cli)  # a first run may build the kernels or time their VNNI crossing, once per machine
+    bare, runs = [], []
+    for _ in range(2):
+        bare.append(_measure(sys.executable, "-c", "import torch"))
+        runs.append(_measure(*cli))
+    assert min(peak for _, peak in runs) - min(peak for _, peak in bare) < 280e6, (runs, bare)
     assert min(s for s, _ in runs) - min(s for s, _ in bare) < 1.5, (runs, bare)

@@ -326,8 +326,9 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # The step-cost model latency targets plan with: a `tokenmill profile` file; None: measured at startup
     step_cost_profile: str | None = None
-    # Measure the device's roofline at startup (a GEMM and a streaming read: 0.3 s and 256 MiB on a CPU) for
-    # the utilization figures a server reports; `serve` sets it. Off, CoreInfo.roofline is None.
+    # Measure the device's roofline at startup (a GEMM and a streaming read: about 0.3 s and 256 MiB on a
+    # CPU) for the utilization figures a server reports; `serve` sets it. Off, CoreInfo.roofline is a known
+    # GPU's datasheet or None.
     measure_roofline: bool = False
 
     def __post_init__(self) -> None:

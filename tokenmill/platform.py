@@ -1,4 +1,4 @@
-"""What the device offers: fast dtypes and free memory."""
+"""What the device offers: the CPU's name and feature flags, fast dtypes and free memory."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ from tokenmill.bench.args import ENDPOINTS
 from tokenmill.bench.datasets import SampleRequest
 
 
-
 @dataclass
 class ApiConfig:
     """Where and how to send requests: one server under test."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from tokenmill.bench.datasets import DatasetSpec, sample_requests
 from tokenmill.bench.args import PRESETS, dataset_spec
 
+
 def build_requests(a: argparse.Namespace, tokenizer) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) per request."""
     spec = dataset_spec(a)

@@ -182,10 +182,10 @@ class EngineCore:
         if config.kv_transfer.kv_role is not None:
             self._start_kv_transfer(config, kv_tensors, tp, draft)
         self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
-        roofline = None
-        if config.measure_roofline:
-            roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."))
-            phase("roofline")
+        # a known GPU's datasheet costs nothing; a measurement only where a server reports it
+        roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."),
+                                    config.measure_roofline)
+        phase("roofline")
         self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
                              str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
                              cache.block_size, self.kv_bytes_per_token, proposer is not None, config,

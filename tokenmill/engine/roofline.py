@@ -19,8 +19,10 @@ class Roofline:
 
 
 @functools.cache
-def machine_roofline(device_type: str, device_index: int | None, dtype_name: str) -> Roofline:
-    """The roofline of the device the engine runs on, computing in ``dtype_name`` (a torch dtype's name)."""
+def machine_roofline(device_type: str, device_index: int | None, dtype_name: str,
+                     measure: bool = True) -> Roofline | None:
+    """The roofline of the device the engine runs on, computing in ``dtype_name`` (a torch dtype's name):
+    a known GPU's datasheet, else measured (None when ``measure`` is off)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -38,13 +40,15 @@ def machine_roofline(device_type: str, device_index: int | None, dtype_name: str
 
         name = f"{cpu_name()}, {torch.get_num_threads()} threads"
         device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    if not measure:
+        return None
     flops, bandwidth, how = _measure(device, dtype)
     return Roofline(name, flops, bandwidth, how)
 
 
 def _measure(device, dtype) -> tuple[float, float, str]:
     """Peak FLOP/s from a square GEMM and bandwidth from summing a buffer far larger than the caches,
-    each the best of a few runs (noise only slows a run down). About 0.2 s on a 2-core CPU."""
+    each the best of a few runs (noise only slows a run down). About 0.3 s and 256 MiB on a 2-core CPU."""
     import torch
 
     cuda = device.type == "cuda"

@@ -21,7 +21,6 @@ import hashlib
 import logging
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sysconfig
@@ -117,8 +116,8 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     in use): it widens a panel of weights once for all tokens, which pays from 8 tokens on a Sapphire
     Rapids-class Xeon (a whole step of the embedded model: 1.15x slower at 7 tokens, 0.94x at 8, 0.78x
     at 12); an earlier, fixed-shape measurement on a Zen 5 EPYC had VNNI 0.9x at 8 tokens and 1.4x at 16.
-    Timed at load over SHAPES in Q8_0 (about 0.3 s): the smallest count from which VNNI is 10% faster
-    at every larger one, 16 when none is. The results are the same bits either way; the kernels' ISA
+    Timed over SHAPES in Q8_0 (about 0.3 s; once per machine, see _cached_crossing): the smallest count
+    from which VNNI is 10% faster at every larger one, 16 when none is. The results are the same bits either way; the kernels' ISA
     and crossing are as they were after the timing."""
     import time
 
@@ -159,24 +158,32 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     return crossing
 
 
+CROSSING_VERSION = 1  # bump when the timing (SHAPES, CROSSING_TOKENS, the 10% rule) changes
+
+
 def _cached_crossing(ops, so: Path) -> int:  # noqa: ANN001
-    """_vnni_crossing, timed once per (kernel build, CPU, thread count) and kept beside the build: a
-    one-shot command should not spend a second of its start timing GEMMs (the result only moves speed)."""
+    """_vnni_crossing, timed once per (kernel build, CPU model and flags, thread count) and kept beside the
+    build: a one-shot command should not spend a second of its start timing GEMMs (the result only moves
+    speed). A missing, unreadable or out-of-range file is timed again; a file that cannot be written only
+    costs the timing next time. Delete the ``*.vnni-crossing.*`` files to have it timed afresh."""
     if ops.kernel_isa("") != "avx512vnni":
         return 16
-    cpu = re.sub(r"[^A-Za-z0-9]+", "-", cpu_name()).strip("-")[:60]
-    path = so.with_name(f"{so.stem}.vnni-crossing.{cpu}.{torch.get_num_threads()}t")
+    key = hashlib.sha256("\0".join([cpu_name(), *sorted(cpu_flags()), str(CROSSING_VERSION)]).encode())
+    path = so.with_name(f"{so.stem}.vnni-crossing.{key.hexdigest()[:12]}.{torch.get_num_threads()}t")
     try:
-        return int(path.read_text())
+        kept = int(path.read_text())
+        if kept in CROSSING_TOKENS:
+            return kept
     except (OSError, ValueError):
         pass
     crossing = _vnni_crossing(ops)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
     try:
-        tmp = path.with_name(path.name + f".{os.getpid()}")
         tmp.write_text(str(crossing))
         os.replace(tmp, path)
-    except OSError as e:  # a read-only cache only costs the timing next time
+    except OSError as e:
         logger.debug("could not keep the VNNI crossing in %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
     return crossing
 
 
