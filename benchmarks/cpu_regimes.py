@@ -3,7 +3,8 @@
 Regimes (the quantization issue's speed targets):
 - decode: one sequence generating 128 tokens (llama-bench tg128);
 - prefill: one 512-token prompt (llama-bench pp512), time to first token;
-- batched: 64 sequences of 128 prompt + 128 generated tokens, total tok/s (llama-batched-bench).
+- batched: 64 sequences of 128 prompt + 128 generated tokens, total tok/s (llama-batched-bench); --batch and
+  --batch-len set others (a 1B-8B model: 16 x (64+64) keeps a run within minutes on 2 cores).
 
 Roofline, measured here by the same script so the fractions come from one run:
 - memory bandwidth: a read-only sum over a 1 GiB float32 tensor, 2 threads;
@@ -91,11 +92,12 @@ def decoder_weights(model) -> int:
                if isinstance(m, (QuantizedLinear, torch.nn.Linear)) or hasattr(m, "panels"))
 
 
-def run_tokenmill(quantization: str, model: str = "smollm2-135m-instruct", vocab_hi: int = 20000) -> dict:
+def run_tokenmill(quantization: str, model: str = "smollm2-135m-instruct", vocab_hi: int = 20000,
+                  batch: int = 64, batch_len: int = 128) -> dict:
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model=model, quantization=quantization, max_num_batched_tokens=2048,
-              max_num_seqs=64)
+              max_num_seqs=batch)
     model = llm.engine.runner.model
     g = torch.Generator().manual_seed(0)
 
@@ -117,8 +119,8 @@ def run_tokenmill(quantization: str, model: str = "smollm2-135m-instruct", vocab
         pre.append(512 / m.ttft)
     res["prefill_tok_s"] = statistics.median(pre)
     t = time.perf_counter()
-    llm.generate(prompts(64, 128), SamplingParams(max_tokens=128, **greedy), use_tqdm=False)
-    res["batched_total_tok_s"] = 64 * 256 / (time.perf_counter() - t)
+    llm.generate(prompts(batch, batch_len), SamplingParams(max_tokens=batch_len, **greedy), use_tqdm=False)
+    res["batched_total_tok_s"] = batch * 2 * batch_len / (time.perf_counter() - t)
     return res
 
 
@@ -148,7 +150,7 @@ def paired_rounds(bin_dir: Path, gguf: str, threads: int, quantization: str, rou
     return out
 
 
-def run_llama(bin_dir: Path, gguf: str, threads: int) -> dict:
+def run_llama(bin_dir: Path, gguf: str, threads: int, batch: int = 64, batch_len: int = 128) -> dict:
     out = {}
     r = subprocess.run([str(bin_dir / "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128",
                         "-o", "json"], capture_output=True, text=True, check=True)
@@ -156,10 +158,11 @@ def run_llama(bin_dir: Path, gguf: str, threads: int) -> dict:
         key = "prefill_tok_s" if row["n_prompt"] else "decode_tok_s"
         out[key] = row["avg_ts"]
     r = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", gguf, "-t", str(threads), "-c", "20000",
-                        "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "64"],
+                        "-b", "2048", "-ub", "512", "-npp", str(batch_len), "-ntg", str(batch_len), "-npl", str(batch)],
                        capture_output=True, text=True, check=True)
     # table row: |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    row = next(ln for ln in r.stdout.splitlines() if re.match(r"\|\s+128\s+\|\s+128\s+\|\s+64\s+\|", ln))
+    row = next(ln for ln in r.stdout.splitlines()
+               if re.match(rf"\|\s+{batch_len}\s+\|\s+{batch_len}\s+\|\s+{batch}\s+\|", ln))
     out["batched_total_tok_s"] = float(row.strip("|").split("|")[-1])
     return out
 
@@ -173,6 +176,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--paired-rounds", type=int, default=0,
                     help="with --llama-bin: alternate both engines' decode and prefill this many more times")
+    ap.add_argument("--batch", type=int, default=64, help="batched regime: sequences (default 64)")
+    ap.add_argument("--batch-len", type=int, default=128,
+                    help="batched regime: prompt and generated tokens each (default 128)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,11 +190,13 @@ def main() -> None:
     from tokenmill.models.registry import resolve_model
 
     gguf = str(resolve_model(args.model).path)
-    rows = [run_tokenmill(q, gguf) for q in args.quantization]
+    rows = [run_tokenmill(q, gguf, batch=args.batch, batch_len=args.batch_len) for q in args.quantization]
     if args.llama_bin:
-        rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, gguf, args.threads)})
+        rows.append({"quantization": "llama.cpp", **run_llama(args.llama_bin, gguf, args.threads, args.batch,
+                                                              args.batch_len)})
     gguf_row = next((r for r in rows if r["quantization"] in ("gguf", "auto")), rows[0])
-    print("\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | 64x(128+128) total tok/s |")
+    print(f"\n| engine | decode tok/s | (floor) | prefill 512 tok/s | (floor) | {args.batch}x({args.batch_len}+"
+          f"{args.batch_len}) total tok/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         wb = r.get("weight_bytes", gguf_row["weight_bytes"])
