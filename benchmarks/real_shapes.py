@@ -311,7 +311,8 @@ def bench_file(path: Path, args) -> dict:
 
     print(f"\n### {model}, {form}, {path.stat().st_size / 2**30:.2f} GiB ({path.name})\n")
     keys = ("decode_tok_s", "prefill_tok_s", "batched_total_tok_s")
-    print("| engine | decode tok/s | prefill 512 tok/s | 64x(128+128) tok/s | load+1 token s | peak RSS GiB |")
+    print(f"| engine | decode tok/s | prefill 512 tok/s | {args.batch}x({args.batch_len}+{args.batch_len}) tok/s "
+          "| load+1 token s | peak RSS GiB |")
     print("|---|---|---|---|---|---|")
     vals = {}
     for eng in ("tokenmill", "llama.cpp"):
