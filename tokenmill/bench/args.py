@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tokenmill.bench.datasets import DatasetSpec
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DATASETS = ("random", "shared-prefix", "text", "trace", "sharegpt")
@@ -46,14 +42,6 @@ def add_dataset_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--trace-max-output-len", type=int, default=None, help="trace: cap on output tokens")
     if seed:  # the offline benchmark shares the engine's --seed
         g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
-
-
-def dataset_spec(a: argparse.Namespace) -> DatasetSpec:
-    from tokenmill.bench.datasets import DatasetSpec
-
-    return DatasetSpec(a.dataset, a.dataset_path, a.num_prompts, a.input_len, a.output_len, a.range_ratio,
-                       a.prefix_len, a.question_len, a.num_prefixes, a.trace_start, a.trace_max_input_len,
-                       a.trace_max_output_len, a.trace_length_scale, a.seed, a.long_input_len, a.long_input_every)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

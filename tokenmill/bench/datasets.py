@@ -19,6 +19,7 @@ length (without special tokens), so it is what the server will see, give or take
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable
@@ -279,3 +280,10 @@ def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer | PromptMaker) -> li
     if spec.name == "trace":
         return trace_requests(maker, spec, rng)
     return sharegpt_requests(maker, spec.path, spec.num_prompts, spec.output_len, rng)
+
+
+def dataset_spec(a: argparse.Namespace) -> DatasetSpec:
+    """The workload the flags of bench/args.py's add_dataset_args describe."""
+    return DatasetSpec(a.dataset, a.dataset_path, a.num_prompts, a.input_len, a.output_len, a.range_ratio,
+                       a.prefix_len, a.question_len, a.num_prefixes, a.trace_start, a.trace_max_input_len,
+                       a.trace_max_output_len, a.trace_length_scale, a.seed, a.long_input_len, a.long_input_every)

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.bench.datasets import DatasetSpec, sample_requests
-from tokenmill.bench.args import PRESETS, dataset_spec
+from tokenmill.bench.args import PRESETS
+from tokenmill.bench.datasets import DatasetSpec, dataset_spec, sample_requests
 
 
 def build_requests(a: argparse.Namespace, tokenizer) -> list[tuple[list[int], int]]:
