@@ -16,8 +16,9 @@ import kquants
 import tiny_models as tm
 from helpers import needs_kernels, prefill_logits
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.quant import (FORMAT_IDS, QuantizedLinear, QuantizedTensor, common_format, dequantize_rows,
-                                    q4_k_to_q5_k, q5_0_to_q8_0, ref_qlinear, to_format)
+from tokenmill.layers.panels import PANEL_FORMATS
+from tokenmill.layers.quant import (FORMAT_IDS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, common_format,
+                                    dequantize_rows, q4_k_to_q5_k, q5_0_to_q8_0, ref_qlinear, to_format)
 
 T = gguf.GGMLQuantizationType
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -38,6 +39,17 @@ def gguf_dequant(blocks: np.ndarray, kind: str, shape: tuple[int, int]) -> torch
 def _native(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
     return QuantizedTensor(torch.from_numpy(kquants.random_blocks(kind, n, k, seed=seed, scale=1e-2)), NATIVE[kind],
                            (n, k))
+
+
+def _layouts(qt: QuantizedTensor) -> list[tuple[QuantizedTensor, torch.Tensor, int]]:
+    """(weight, its kernel bytes, kernel format id): the row layout and, for Q4_K and Q6_K, the panels of 8 rows
+    on the matrix's first rows down to a multiple of 8 (37 -> 32: two panels of 16; 45 -> 40: a last of 8)."""
+    out = [(qt, qt.kernel_layout(), FORMAT_IDS[qt.fmt])]
+    if qt.fmt in PANEL_FORMATS:
+        n8, k = qt.shape[0] // 8 * 8, qt.shape[1]
+        q8 = QuantizedTensor(qt.data[:n8].contiguous(), qt.fmt, (n8, k))
+        out.append((q8, q8.kernel_layout(panels=True), FORMAT_IDS[PANEL_FORMATS[qt.fmt]]))
+    return out
 
 
 # ---- the blocks ---------------------------------------------------------------------------------------
@@ -98,14 +110,15 @@ def _isas(ops) -> list[str]:
 def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
     """The kernel's result is ref_qlinear's, bit for bit, for every batch size from 1 to 40 (so a token's row
     does not depend on the batch) and on both instruction sets (AVX2 below the crossing, AVX512-VNNI panels
-    from it where the CPU has them, VNNI for every batch size, and AVX2 throughout when forced)."""
+    from it where the CPU has them, VNNI for every batch size, and AVX2 throughout when forced), in the row
+    layout and, for Q4_K and Q6_K, in panels of 8 rows (whose GEMV, many-token GEMM and VNNI widening differ)."""
     from tokenmill.layers.kernels import cpu_kernels
 
     ops = cpu_kernels()
     before, crossing = ops.kernel_isa(""), ops.vnni_min_tokens(0)
-    for i, (n, k) in enumerate(SHAPES[kind]):
-        qt = _native(kind, n, k, seed=10 + i)
-        packed, fid = qt.kernel_layout(), FORMAT_IDS[qt.fmt]
+    cases = [(i, *layout) for i, (n, k) in enumerate(SHAPES[kind]) for layout in _layouts(_native(kind, n, k, 10 + i))]
+    for i, qt, packed, fid in cases:
+        n, k = qt.shape
         torch.manual_seed(i)
         x = torch.randn(40, k) * 3
         x[3] = 0  # a token of zeros, and a zero block
@@ -116,10 +129,10 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
                 ops.kernel_isa(isa)
                 ops.vnni_min_tokens(first)
                 full = ops.qlinear(x, packed, n, fid)
-                assert torch.equal(full, ref), (isa, first, (full - ref).abs().max().item())
+                assert torch.equal(full, ref), (isa, first, fid, (full - ref).abs().max().item())
                 for m in range(1, 40):
-                    assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, first, m)
-                assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), (isa, first)
+                    assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, first, fid, m)
+                assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), (isa, first, fid)
         finally:
             ops.kernel_isa(before)
             ops.vnni_min_tokens(crossing)
@@ -134,6 +147,24 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
         assert ((ref - dense).norm() / dense.norm()).item() < 2e-4
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_panels_hold_the_rows_byte_for_byte(kind):
+    """Panels of 8 rows are the row blocks reordered: back to rows exactly; a layer keeps them where its rows
+    are a multiple of 8, and its weight, the embedding looked up from it and its output are the row layout's."""
+    qt = _native(kind, 40, 768, seed=3)
+    panels = qt.kernel_layout(panels=True)
+    assert panels.numel() == 40 * 3 * {"Q4_K": 148, "Q6_K": 210}[kind]  # Q4_K's 12 scale bytes are 16 in panels
+    assert torch.equal(QuantizedTensor.from_kernel_layout(panels, PANEL_FORMATS[qt.fmt], (40, 768)).data, qt.data)
+    lin, odd = QuantizedLinear(qt), QuantizedLinear(QuantizedTensor(qt.data[:37].contiguous(), qt.fmt, (37, 768)))
+    assert (lin.kernel_fmt, odd.kernel_fmt) == (PANEL_FORMATS[qt.fmt], qt.fmt)
+    assert torch.equal(lin.weight.data, qt.data)
+    ids = torch.tensor([[0, 7, 8, 39], [15, 16, 33, 8]])
+    assert torch.equal(QuantizedEmbedding(lin)(ids), qt.dequantize()[ids])
+    x = torch.randn(3, 768)
+    assert torch.equal(lin(x), ref_qlinear(x, qt))
+
+
 def _extreme_blocks(kind: str, n: int, k: int) -> np.ndarray:
     """Blocks whose every product is as large as the type allows (the int32 sums' worst case)."""
     blocks = kquants.random_blocks(kind, n, k, seed=0, scale=1.0)
@@ -145,6 +176,7 @@ def _extreme_blocks(kind: str, n: int, k: int) -> np.ndarray:
         b = blocks.reshape(-1, 210)
         b[:, :192] = 0  # q - 32 = -32
         b[:, 192:208] = 0x80  # scales -128
+        b[1::2, :192] = 0xFF  # and q - 32 = 31 on every other row (the panels' products of q = 63 and 255)
     return blocks
 
 
@@ -159,13 +191,17 @@ def test_kernel_on_extreme_blocks_and_activations(kind):
     x = torch.ones(20, k)  # every activation 32767 (or -32767) steps
     x[1::2] = -1
     ref = ref_qlinear(x, qt)
-    before = ops.kernel_isa("")
+    before, crossing = ops.kernel_isa(""), ops.vnni_min_tokens(0)
     try:
-        for isa in _isas(ops):
+        for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
             ops.kernel_isa(isa)
-            assert torch.equal(ops.qlinear(x, qt.kernel_layout(), n, FORMAT_IDS[qt.fmt]), ref), isa
+            ops.vnni_min_tokens(first)
+            for q, packed, fid in _layouts(qt):
+                for m in (1, 5, 20):
+                    assert torch.equal(ops.qlinear(x[:m], packed, q.shape[0], fid), ref[:m, :q.shape[0]]), (isa, fid, m)
     finally:
         ops.kernel_isa(before)
+        ops.vnni_min_tokens(crossing)
     dense = x.double() @ qt.dequantize().double().t()
     assert ((ref - dense).abs() <= 1e-5 * dense.abs()).all()
 

@@ -155,6 +155,30 @@ def test_every_instruction_set_gives_the_same_bits(fmt):
         ops.kernel_isa("sse")
 
 
+@needs_kernels
+def test_q4_1_in_panels_gives_the_row_layouts_bits():
+    """int4 (Q4_1) weights whose rows are a multiple of 8 and K of 256 run in panels of 8 rows (layers/panels.py):
+    the reference's bits for every batch size on each instruction set (direct panels and VNNI's widened ones),
+    and the rows come back byte for byte."""
+    torch.manual_seed(2)
+    n, k = 40, 768  # panels of 16 rows for VNNI: a last one half full
+    qw = QUANTIZERS["int4"](torch.randn(n, k))
+    layer = QuantizedLinear(qw)
+    assert layer.kernel_fmt == "q4_1_x8" and torch.equal(layer.weight.data, qw.data)
+    assert QuantizedLinear(QUANTIZERS["int4"](torch.randn(n, 608))).kernel_fmt == "q4_1"  # K not of 256: rows
+    x = torch.randn(24, k) * 2
+    ref = ref_qlinear(x, qw)
+    ops = cpu_kernels()
+    before = ops.kernel_isa("")
+    try:
+        for isa in {"avx2", _vnni_or_none(ops)} - {None}:
+            ops.kernel_isa(isa)
+            for m in (1, 2, 3, 4, 7, 24):
+                assert torch.equal(layer(x[:m]), ref[:m]), (isa, m)
+    finally:
+        ops.kernel_isa(before)
+
+
 def _vnni_or_none(ops):
     before = ops.kernel_isa("")
     try:

@@ -52,7 +52,8 @@ def _cache_dir() -> Path:
 
 
 def _build(cxx: str) -> Path:
-    src = SOURCE.read_text()
+    # the key covers every file of csrc/: cpu_kernels.cpp includes the others
+    src = "\0".join(f"{f.name}\0{f.read_text()}" for f in sorted(SOURCE.parent.iterdir()) if f.is_file())
     tdir = Path(torch.__file__).parent
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     cmd_flags = FLAGS + [abi]

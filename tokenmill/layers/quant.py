@@ -41,12 +41,15 @@ import torch
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.layers.kernels import cpu_kernels
+from tokenmill.layers.panels import ROW_FORMATS, from_panels, panel_format, to_panels
 
 QK = 32
 QK_K = 256  # a K-quant super-block
 BLOCK_WEIGHTS = {"q8_0": QK, "q4_1": QK, "q5_0": QK, "q4_k": QK_K, "q5_k": QK_K, "q6_k": QK_K}
 BLOCK_BYTES = {"q8_0": 34, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # per block
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q5_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernel's fmt argument
+# the kernel's fmt argument: the row formats, then Q4_K, Q6_K and Q4_1 in panels of 8 rows (layers/panels.py)
+FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q5_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "q4_k_x8": 6, "q6_k_x8": 7,
+              "q4_1_x8": 8}
 _HEADS = {"q8_0": 2, "q4_1": 4, "q5_0": 2}  # bytes of fp16 scale (and min) that kernel_layout moves to the front
 
 
@@ -81,11 +84,14 @@ class QuantizedTensor:
     def to(self, device) -> "QuantizedTensor":
         return QuantizedTensor(self.data.to(device), self.fmt, self.shape)
 
-    def kernel_layout(self) -> torch.Tensor:
+    def kernel_layout(self, panels: bool = False) -> torch.Tensor:
         """The same bytes as the kernels take them (a new tensor): for q8_0, q4_1 and q5_0 each row's fp16
         scales (then, for q4_1, its fp16 mins), then its quants, so that eight scales load at once; the
         K-quants' super-blocks as they are (each header holds its eight sub-blocks' scales). See
-        csrc/cpu_kernels.cpp."""
+        csrc/cpu_kernels.cpp. ``panels``: in the panel format of ``panel_format(fmt, n, k)`` instead
+        (layers/panels.py), which the caller checked there is."""
+        if panels:
+            return to_panels(self.data, self.fmt, self.shape)
         if self.fmt not in _HEADS:
             return self.data.contiguous().clone()
         blk = self.blocks()
@@ -96,7 +102,9 @@ class QuantizedTensor:
 
     @classmethod
     def from_kernel_layout(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "QuantizedTensor":
-        """Inverse of ``kernel_layout``."""
+        """Inverse of ``kernel_layout``; ``fmt`` the kernel format (a panel format for panels)."""
+        if fmt in ROW_FORMATS:
+            return cls(from_panels(data, ROW_FORMATS[fmt], shape[1]), ROW_FORMATS[fmt], shape)
         if fmt not in _HEADS:
             return cls(data.contiguous(), fmt, shape)
         n, k = shape
@@ -363,18 +371,19 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.fmt = weight.fmt
-        self.register_buffer("qweight", weight.kernel_layout())  # what the kernels read
+        self.kernel_fmt = panel_format(weight.fmt, self.out_features, self.in_features)  # panels of 8 rows
+        self.register_buffer("qweight", weight.kernel_layout(panels=self.kernel_fmt != self.fmt))  # what the kernels read
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._dense: torch.Tensor | None = None
 
     @property
     def weight(self) -> QuantizedTensor:
-        return QuantizedTensor.from_kernel_layout(self.qweight, self.fmt, (self.out_features, self.in_features))
+        return QuantizedTensor.from_kernel_layout(self.qweight, self.kernel_fmt, (self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = _ops() if x.device.type == "cpu" else None
         if ops is not None:  # the same integer arithmetic for any number of tokens (batch invariance)
-            y = ops.qlinear(x.float(), self.qweight, self.out_features, FORMAT_IDS[self.fmt]).to(x.dtype)
+            y = ops.qlinear(x.float(), self.qweight, self.out_features, FORMAT_IDS[self.kernel_fmt]).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self._dense is None or self._dense.device != x.device or self._dense.dtype != x.dtype:
             self._dense = self.weight.dequantize(torch.float32).to(device=x.device, dtype=x.dtype)
@@ -402,13 +411,19 @@ class QuantizedEmbedding(torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The whole matrix as floats (a new tensor; only for code that wants it all)."""
-        return QuantizedTensor.from_kernel_layout(self.qweight, self.fmt, (self.num_embeddings,
-                                                                           self.embedding_dim)).dequantize()
+        return QuantizedTensor.from_kernel_layout(self.qweight, self._head.kernel_fmt,
+                                                  (self.num_embeddings, self.embedding_dim)).dequantize()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.qweight.index_select(0, ids.reshape(-1))
-        x = QuantizedTensor.from_kernel_layout(rows, self.fmt, (rows.shape[0], self.embedding_dim)).dequantize()
-        return x.view(*ids.shape, self.embedding_dim)
+        shape, ids = ids.shape, ids.reshape(-1)
+        if self._head.kernel_fmt in ROW_FORMATS:  # panels of 8 rows: each id's panel, then its row of it
+            rows = from_panels(self.qweight.index_select(0, ids // 8), self.fmt, self.embedding_dim)
+            rows = rows.view(ids.numel(), 8, -1)[torch.arange(ids.numel()), ids % 8]
+        else:
+            rows = QuantizedTensor.from_kernel_layout(self.qweight.index_select(0, ids), self.fmt,
+                                                      (ids.numel(), self.embedding_dim)).data
+        x = QuantizedTensor(rows, self.fmt, (ids.numel(), self.embedding_dim)).dequantize()
+        return x.view(*shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt} (the head's blocks)"

@@ -214,7 +214,7 @@ class DecoderLayer(nn.Module):
                         lin.bias is not None for lin in lins[len(extra):]):
                     return None
                 qw = [lin.qweight for lin in lins]
-                return [norm.weight, qw[0], *extra, *qw[1:]], [FORMAT_IDS[lin.fmt] for lin in lins]
+                return [norm.weight, qw[0], *extra, *qw[1:]], [FORMAT_IDS[lin.kernel_fmt] for lin in lins]
 
             a, m = self.self_attn, self.mlp
             on = self.ops is not None and self.fuse

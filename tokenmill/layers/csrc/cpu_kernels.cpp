@@ -54,6 +54,12 @@ namespace {
 
 constexpr int QK = 32;
 enum : int { Q8_0 = 0, Q4_1 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, NUM_FORMATS = 6 };
+// Q4_K, Q6_K and Q4_1 in panels of 8 rows (panels_x8.h)
+enum : int { Q4_K_X8 = NUM_FORMATS, Q6_K_X8, Q4_1_X8, NUM_FORMATS_X8 };
+constexpr bool is_x8(int64_t f) { return f >= Q4_K_X8 && f < NUM_FORMATS_X8; }
+// bytes per 8 rows and 256 weights (a super-block, or 8 blocks of Q4_1)
+constexpr int64_t x8_bytes(int64_t f) { return f == Q4_K_X8 ? 1184 : f == Q6_K_X8 ? 1680 : 1280; }
+constexpr int x8_row_format(int f) { return f == Q4_K_X8 ? Q4_K : f == Q6_K_X8 ? Q6_K : Q4_1; }
 constexpr bool is_super(int64_t f) { return f >= Q4_K; }  // super-blocks of 256 weights
 // bytes per block of 32 weights (per super-block of 256 for the K-quants)
 constexpr int64_t block_bytes(int64_t f) {
@@ -418,7 +424,12 @@ TM_AVX512 inline void panel_tokens(const int32_t* wp, const float* dw, const flo
   }
 }
 
-template <int F>
+// Forward declaration: the panel formats' widening (panels_x8.h, included below)
+template <int FX>
+TM_AVX512 void widen_x8(const uint8_t* P, int64_t panel_bytes, int64_t nsb, int rows, int32_t* wp, float* dw, float* mw);
+
+// FX >= 0: W holds format F in panels of 8 rows (FX, panels_x8.h), widened by widen_x8 instead
+template <int F, int FX = -1>
 TM_AVX512 void gemm_vnni(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs,
                          int64_t ld, int64_t M, float* y, bool accumulate) {
   const int64_t nb = K / QK;
@@ -434,7 +445,12 @@ TM_AVX512 void gemm_vnni(const uint8_t* W, int64_t N, int64_t K, const int16_t* 
       const int64_t n0 = p * PANEL;
       const int rows = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
       const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-      widen_panel<F>(W + n0 * row_bytes, row_bytes, nb, rows, wp, dw, mw);
+      if constexpr (FX >= 0) {
+        const int64_t panel_bytes = nb / 8 * x8_bytes(FX);
+        widen_x8<FX>(W + n0 / 8 * panel_bytes, panel_bytes, nb / 8, rows, wp, dw, mw);
+      } else {
+        widen_panel<F>(W + n0 * row_bytes, row_bytes, nb, rows, wp, dw, mw);
+      }
       int64_t m = 0;
       for (; m + 4 <= M; m += 4)
         panel_tokens<F, 4>(wp, dw, mw, nb, xq + m * K, K, xd + m * ld, xs + m * ld, ld, y + m * N + n0, N, mask,
@@ -524,10 +540,17 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float
   });
 }
 
+#include "panels_x8.h"
+
+constexpr int64_t matrix_bytes(int64_t f, int64_t n, int64_t nb) {
+  return is_x8(f) ? n / 8 * (nb / 8) * x8_bytes(f) : n * row_bytes_of(f, nb);
+}
+
 void check_format(int64_t K, int64_t fmt, const char* op) {
-  TORCH_CHECK(fmt >= 0 && fmt < NUM_FORMATS, "tokenmill::", op,
-              ": format must be 0 (Q8_0), 1 (Q4_1), 2 (Q5_0), 3 (Q4_K), 4 (Q5_K) or 5 (Q6_K), got ", fmt);
-  const int64_t unit = is_super(fmt) ? 8 * QK : QK;
+  TORCH_CHECK(fmt >= 0 && fmt < NUM_FORMATS_X8, "tokenmill::", op,
+              ": format must be 0 (Q8_0), 1 (Q4_1), 2 (Q5_0), 3 (Q4_K), 4 (Q5_K), 5 (Q6_K), 6 (Q4_K in panels of 8 rows), "
+              "7 (Q6_K in panels) or 8 (Q4_1 in panels), got ", fmt);
+  const int64_t unit = is_super(fmt) ? 8 * QK : QK;  // the panel formats included: groups of 256
   TORCH_CHECK(K % unit == 0, "tokenmill::", op, ": in_features must be a multiple of ", unit, " for this format, got ", K);
 }
 
@@ -535,16 +558,23 @@ void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, co
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(), "tokenmill::", op,
               " takes contiguous uint8 blocks on the CPU (QuantizedTensor.kernel_layout())");
   check_format(K, fmt, op);
-  const int64_t bytes = n_out * row_bytes_of(fmt, K / QK);
+  TORCH_CHECK(!is_x8(fmt) || n_out % 8 == 0, "tokenmill::", op, ": a matrix in panels of 8 rows needs out_features a "
+              "multiple of 8, got ", n_out);
+  const int64_t bytes = matrix_bytes(fmt, n_out, K / QK);
   TORCH_CHECK(w.numel() == bytes, "tokenmill::", op, ": weight holds ", w.numel(), " bytes, expected ", bytes,
               " for [", n_out, ", ", K, "]");
 }
 
 // The quantized activations of one GEMM input: scratch that forward_layers reuses across its GEMMs.
 struct ActivationBuffers {
-  at::Tensor q, d, s;
+  at::Tensor q, d, s, h, l, s16;  // h, l, s16: their split for the panel formats (panels_x8.h)
   void fit(int64_t M, int64_t K, int64_t ld, const at::TensorOptions& opt) {
-    if (!q.defined() || q.numel() < M * K) q = at::empty({M * K}, opt.dtype(at::kShort));
+    if (!q.defined() || q.numel() < M * K) {
+      q = at::empty({M * K}, opt.dtype(at::kShort));
+      h = at::empty({M * K}, opt.dtype(at::kChar));
+      l = at::empty({M * K}, opt.dtype(at::kByte));
+      s16 = at::empty({M * K / 16}, opt.dtype(at::kInt));
+    }
     if (!d.defined() || d.numel() < M * ld) {
       d = at::empty({M * ld}, opt.dtype(at::kFloat));
       s = at::empty({M * ld}, opt.dtype(at::kFloat));
@@ -572,6 +602,15 @@ void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64
     case Q4_K: return gemm<Q4_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
     case Q5_K: return gemm<Q5_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
     case Q6_K: return gemm<Q6_K>(wp, n_out, K, q, d, s, ld, M, yp, accumulate);
+    case Q4_K_X8:
+      return gemm_x8<Q4_K_X8>(wp, n_out, K, q, d, s, ld, M, yp, accumulate, buf.h.data_ptr<int8_t>(),
+                              buf.l.data_ptr<uint8_t>(), buf.s16.data_ptr<int32_t>());
+    case Q6_K_X8:
+      return gemm_x8<Q6_K_X8>(wp, n_out, K, q, d, s, ld, M, yp, accumulate, buf.h.data_ptr<int8_t>(),
+                              buf.l.data_ptr<uint8_t>(), buf.s16.data_ptr<int32_t>());
+    case Q4_1_X8:
+      return gemm_x8<Q4_1_X8>(wp, n_out, K, q, d, s, ld, M, yp, accumulate, buf.h.data_ptr<int8_t>(),
+                              buf.l.data_ptr<uint8_t>(), buf.s16.data_ptr<int32_t>());
     default: TORCH_CHECK(false, "tokenmill: unknown weight format ", fmt);
   }
 }
@@ -1127,7 +1166,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // post-attention norm, gate_up, down_proj; fmts: 4 per layer (qkv, o_proj, gate_up, down_proj).
 int64_t rows_of(const at::Tensor& w, int64_t K, int64_t fmt) {
   check_format(K, fmt, "forward_layers");
-  return w.numel() / row_bytes_of(fmt, K / QK);
+  return is_x8(fmt) ? w.numel() / matrix_bytes(fmt, 8, K / QK) * 8 : w.numel() / row_bytes_of(fmt, K / QK);
 }
 
 // One decoder layer's two halves, the only definition of the layer the kernels have: forward_layers runs

@@ -1,0 +1,188 @@
+// ---- K-quants in panels of 8 rows ("x8"): one GEMM for every number of tokens ----------------------
+// Included by cpu_kernels.cpp inside its namespace, after the shared helpers it uses (QK, TM_AVX512,
+// g_use_vnni, h2f).
+//
+// Formats Q4_K_X8, Q6_K_X8 and Q4_1_X8 hold Q4_K, Q6_K and Q4_1 matrices with 8 rows interleaved (layers/panels.py;
+// N a multiple of 8, K of 256), so that one 32-byte load holds four
+// consecutive weights of each of 8 rows, a row per 32-bit lane: the 8 rows advance together in the lanes,
+// with no horizontal sums, and one unpacking serves all 8. (The row layout's tiles spend more on unpacking
+// and reducing than on multiplying: a Q4_K GEMV ran at 24 GMAC/s a core, a third of memory speed.)
+// Per panel of 8 rows and super-block of 256 weights:
+//   Q4_K_X8, 1184 bytes: fp16 d[8] | fp16 dmin[8] | u8 sc[8 blocks][8 rows] | u8 m[8][8] | qs[4][8][8][4]
+//     qs[p][s][r][k] = row r's Q4_K quant byte 32 p + 4 s + k: its low nibble weight 4 s + k of block 2 p,
+//     its high nibble the same weight of block 2 p + 1; the 6-bit scales and mins unpacked to bytes.
+//   Q6_K_X8, 1680 bytes: fp16 d[8] | int8 sc[16 halves][8 rows] | ql[4][8][8][4] | qh[2][8][8][4]
+//     ql[p][s][r][k]: the low 4 bits of weight 4 s + k of block 2 p (low nibble) and of block 2 p + 1
+//     (high); qh[t][s][r][k]: the top 2 bits of that weight of blocks 4 t .. 4 t + 3 (block 4 t + i in bits
+//     2 i, 2 i + 1). The weight is q in 0..63; the file's q - 32 comes back through the token's sums of 16.
+//   Q4_1_X8, 1280 bytes per 8 blocks of 32: fp16 d[8 blocks][8 rows] | fp16 m[8][8] | qs[4][8][8][4] as Q4_K's
+//     (weight 4 s + k of blocks 2 p and 2 p + 1). A "super-block" below is then 8 blocks: the chains by block
+//     mod 8 are the row tiles' groups of 8.
+// Integer arithmetic: a token's int16 activation q = 256 h + l (h = q >> 8 as int8, l = q & 255 as uint8),
+// so a block's int32 sum of w q is 256 sum(w h) + sum(l w), from unsigned x signed byte products:
+// vpmaddubsw on AVX2 (pairs of products as int16, none saturating: 2 * 63 * 128 and 2 * 255 * 63 are below
+// 32768) or vpdpbusd on AVX512-VNNI (four products into int32). These are the row tiles' exact block sums,
+// and the float steps after them (the min term, d_w d_x per block, eight chains by block mod 8, hsum()'s
+// tree) are the row tiles' operations in their order: every (row, token) gets the row layout's bits, on
+// either instruction set and for any number of tokens.
+
+// int16 activations [n] -> h [n] int8, l [n] uint8 and, where s16 is given, the sums of each 16 (Q6_K's
+// offset of 32 per weight)
+inline void split_activations(const int16_t* q, int64_t n, int8_t* h, uint8_t* l, int32_t* s16) {
+  const __m256i lo8 = _mm256_set1_epi16(0xFF);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16));
+    // packs interleaves 128-bit lanes; permute4x64 restores the order
+    const __m256i hh = _mm256_packs_epi16(_mm256_srai_epi16(a, 8), _mm256_srai_epi16(b, 8));
+    const __m256i ll = _mm256_packus_epi16(_mm256_and_si256(a, lo8), _mm256_and_si256(b, lo8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm256_permute4x64_epi64(hh, 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + i), _mm256_permute4x64_epi64(ll, 0xD8));
+  }
+  if (s16)
+    for (int64_t i = 0; i < n; i += 16) {
+      int32_t s = 0;
+      for (int k = 0; k < 16; ++k) s += q[i + k];
+      s16[i / 16] = s;
+    }
+}
+
+inline __m256i bcast4(const void* p) {  // 4 bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Weights 4 s .. 4 s + 3 of blocks 2 p and 2 p + 1 of a super-block's 8 rows, as bytes (Q4_K 0..15, Q6_K
+// 0..63): the two blocks share their loads.
+template <int F>
+inline void x8_weights(const uint8_t* S, int p, int s, __m256i& w0, __m256i& w1) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  if constexpr (F != Q6_K_X8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (F == Q4_K_X8 ? 160 : 256) + 256 * p + 32 * s));
+    w0 = _mm256_and_si256(v, lo4);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 144 + 256 * p + 32 * s));
+    const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 1168 + 256 * (p >> 1) + 32 * s)),
+                                       _mm_cvtsi32_si128(4 * (p & 1)));
+    const __m256i h3 = _mm256_set1_epi8(3);
+    w0 = _mm256_or_si256(_mm256_and_si256(v, lo4), _mm256_slli_epi16(_mm256_and_si256(h, h3), 4));
+    w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
+                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), h3), 4));
+  }
+}
+
+// One panel against RM tokens, in two forms: x8_panel_avx2 and x8_panel_vnni (the same source, compiled for
+// each instruction set).
+#define X8_NAME x8_panel_avx2
+#define X8_VNNI 0
+#include "panels_x8_body.inc"
+#undef X8_NAME
+#undef X8_VNNI
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#define X8_NAME x8_panel_vnni
+#define X8_VNNI 1
+#include "panels_x8_body.inc"
+#undef X8_NAME
+#undef X8_VNNI
+#pragma GCC pop_options
+
+// Many tokens on AVX512-VNNI: gemm_vnni's panels of 16 rows (two of ours) widened to int16 pairs, exactly what
+// widen_panel makes of the row layout (Q6_K's q - 32 included), so panel_tokens runs on them unchanged.
+template <int FX>
+TM_AVX512 void widen_x8(const uint8_t* P, int64_t panel_bytes, int64_t nsb, int rows, int32_t* wp, float* dw,
+                        float* mw) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const bool two = rows > 8;  // a last panel of 8 rows: the other 8 lanes are zeros
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* S[2] = {P + sb * x8_bytes(FX), P + panel_bytes + sb * x8_bytes(FX)};
+    for (int p = 0; p < 4; ++p)
+      for (int s = 0; s < 8; ++s) {
+        __m512i w[2][2];  // [panel][block 2 p + e]: weights 4 s .. 4 s + 3 of 8 rows as int16, pairs in int32 lanes
+        for (int h = 0; h < 2; ++h) {
+          __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
+          if (h == 0 || two) x8_weights<FX>(S[h], p, s, b0, b1);
+          w[h][0] = _mm512_cvtepu8_epi16(b0);
+          w[h][1] = _mm512_cvtepu8_epi16(b1);
+          if constexpr (FX == Q6_K_X8)
+            for (int e = 0; e < 2; ++e) w[h][e] = _mm512_sub_epi16(w[h][e], _mm512_set1_epi16(h == 0 || two ? 32 : 0));
+        }
+        for (int e = 0; e < 2; ++e) {
+          int32_t* out = wp + ((sb * 8 + 2 * p + e) * 16 + 2 * s) * PANEL;  // pairs 2 s and 2 s + 1 of the block
+          _mm512_store_si512(out, _mm512_permutex2var_epi32(w[0][e], even, w[1][e]));
+          _mm512_store_si512(out + PANEL, _mm512_permutex2var_epi32(w[0][e], odd, w[1][e]));
+        }
+      }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = sb * 8 + j;
+      for (int h = 0; h < 2; ++h) {
+        __m256 d = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+        if (h == 0 || two) {
+          const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h])));
+          if constexpr (FX == Q4_1_X8) {  // as group_scales: the blocks' fp16 d and m
+            d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 16 * j)));
+            m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 128 + 16 * j)));
+          } else if constexpr (FX == Q4_K_X8) {  // as group_scales: d sc and -dmin m, exact
+            const __m256 ndmin = _mm256_xor_ps(_mm512_castps512_ps256(sign),
+                                               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 16))));
+            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 32 + 8 * j)))));
+            m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 96 + 8 * j)))));
+          } else {  // the scales of the block's two halves
+            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 16 + 16 * j)))));
+            m = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 24 + 16 * j)))));
+          }
+        }
+        _mm256_storeu_ps(dw + b * PANEL + 8 * h, d);
+        _mm256_storeu_ps(mw + b * PANEL + 8 * h, m);
+      }
+    }
+  }
+}
+
+// From this many tokens gemm_vnni's widened panels beat the panels read as they are (widen_x8 costs less than
+// widen_panel, so this is below its crossing): on a Zen 4 EPYC, 2 threads, Q4_K 16384x2048 and 2048x8192,
+// widened 0.7x at 2 tokens, 1.1x at 4, 1.2x at 8, 1.4-1.5x at 16; Q6_K 0.9x, 1.2-1.3x, 1.4-1.6x, 1.6-1.8x.
+constexpr int64_t X8_WIDEN_MIN_TOKENS = 4;
+
+// y[M, N] (=, or += with accumulate) x . W^T, W in panels; xq/xd/xs as the row GEMM takes them, and
+// scratch for the split activations: xh, xl [M * K], s16 [M * K / 16] (Q6_K only).
+template <int F>
+void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t ld,
+             int64_t M, float* y, bool accumulate, int8_t* xh, uint8_t* xl, int32_t* s16) {
+  const bool vnni = g_use_vnni.load(std::memory_order_relaxed);
+  if (vnni && M >= X8_WIDEN_MIN_TOKENS) return gemm_vnni<x8_row_format(F), F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
+  split_activations(xq, M * K, xh, xl, F == Q6_K_X8 ? s16 : nullptr);
+  const int64_t nsb = K / 256, panel_bytes = nsb * x8_bytes(F);
+  // tokens in chunks whose split activations stay in L2 while this thread's panels pass over them
+  const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / (2 * K));
+  at::parallel_for(0, N / 8, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t mc = 0; mc < M; mc += chunk) {
+      const int64_t mc1 = std::min(M, mc + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* P = W + p * panel_bytes;
+        int64_t m = mc;
+        const auto run = [&](auto rm) {
+          constexpr int RM = decltype(rm)::value;
+          const int64_t o = m * K;
+          if (vnni)
+            x8_panel_vnni<F, RM>(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld,
+                                 y + m * N + 8 * p, N, accumulate);
+          else
+            x8_panel_avx2<F, RM>(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld,
+                                 y + m * N + 8 * p, N, accumulate);
+          m += RM;
+        };
+        while (m + 4 <= mc1) run(std::integral_constant<int, 4>{});
+        while (m < mc1) run(std::integral_constant<int, 1>{});
+      }
+    }
+  });
+}
