@@ -5,9 +5,9 @@ The kernels (``csrc/panels_x8.h``) multiply 8 weight rows at once, one row per 3
 same bytes are reordered into that layout and back; nothing is requantized (``from_panels(to_panels(x))``
 is ``x`` byte for byte). Per panel of 8 rows and super-block of 256 weights:
 
-- ``q4_k`` (1184 bytes, 148 a row against 144): fp16 d[8] | fp16 dmin[8] | scales [8 blocks][8 rows] |
-  mins [8][8] (the 6-bit values as bytes) | quants [4 pairs of blocks][8 steps][8 rows][4]: row r's byte
-  32 p + 4 s + k of the super-block's 128 quant bytes.
+- ``q4_k`` (1152 bytes, the same as 8 rows): fp16 d[8] | fp16 dmin[8] | the 12 bytes of packed 6-bit scales
+  and mins [12][8 rows] | quants [4 pairs of blocks][8 steps][8 rows][4]: row r's byte 32 p + 4 s + k of
+  the super-block's 128 quant bytes.
 - ``q6_k`` (1680 bytes, the same as 8 rows): fp16 d[8] | int8 scales [16 halves][8 rows] |
   low nibbles [4 pairs][8 steps][8 rows][4] (block 2 p low, block 2 p + 1 high) |
   high bit pairs [2 quads][8 steps][8 rows][4] (block 4 t + i in bits 2 i, 2 i + 1).
@@ -32,20 +32,6 @@ def panel_format(fmt: str, n: int, k: int) -> str:
     """The kernel format a [n, k] matrix in ``fmt`` is kept in: its panel format where there is one, n is a
     multiple of 8 and k of 256, else ``fmt`` itself (the kernels' row layout)."""
     return PANEL_FORMATS[fmt] if fmt in PANEL_FORMATS and n % PANEL_ROWS == 0 and k % QK_K == 0 else fmt
-
-
-def _pack_k_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """Inverse of gguf's Q4_K get_scale_min: 6-bit (sc, m) [..., 8] -> the 12 packed bytes [..., 12]."""
-    return torch.cat([(sc[..., :4] & 0x3F) | ((sc[..., 4:] >> 4) << 6),
-                      (mn[..., :4] & 0x3F) | ((mn[..., 4:] >> 4) << 6),
-                      (sc[..., 4:] & 0x0F) | ((mn[..., 4:] & 0x0F) << 4)], dim=-1)
-
-
-def _unpack_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
 
 
 def _q6_values(blk: torch.Tensor) -> torch.Tensor:
@@ -80,9 +66,8 @@ def to_panels(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Ten
         return torch.cat([t.reshape(p, nsb, -1) for t in parts], dim=-1).reshape(p, -1)
     blk = data.reshape(p, PANEL_ROWS, nsb, _ROW_BYTES[fmt]).permute(0, 2, 1, 3)  # [panel, super-block, row, bytes]
     if fmt == "q4_k":
-        sc, mn = _unpack_k_scales(blk[..., 4:16])
         qs = blk[..., 16:].reshape(p, nsb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
-        parts = [blk[..., 0:2], blk[..., 2:4], sc.transpose(-1, -2), mn.transpose(-1, -2), qs]
+        parts = [blk[..., 0:2], blk[..., 2:4], blk[..., 4:16].transpose(-1, -2), qs]
     else:
         q = _q6_values(blk).reshape(p, nsb, 8, 8, 8, 4)  # [.., row, block, step, k]
         low, high = q & 0x0F, q >> 4
@@ -106,9 +91,9 @@ def from_panels(panels: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
         return blk.permute(0, 2, 1, 3, 4).reshape(p * PANEL_ROWS, -1).contiguous()
     if fmt == "q4_k":
         d, dmin = x[..., 0:16].reshape(p, nsb, 8, 2), x[..., 16:32].reshape(p, nsb, 8, 2)
-        sc, mn = x[..., 32:96].reshape(p, nsb, 8, 8).transpose(-1, -2), x[..., 96:160].reshape(p, nsb, 8, 8).transpose(-1, -2)
-        qs = x[..., 160:].reshape(p, nsb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(p, nsb, 8, 128)
-        blk = torch.cat([d, dmin, _pack_k_scales(sc, mn), qs], dim=-1)
+        scales = x[..., 32:128].reshape(p, nsb, 12, 8).transpose(-1, -2)
+        qs = x[..., 128:].reshape(p, nsb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(p, nsb, 8, 128)
+        blk = torch.cat([d, dmin, scales, qs], dim=-1)
     else:
         d = x[..., 0:16].reshape(p, nsb, 8, 2)
         sc = x[..., 16:144].reshape(p, nsb, 16, 8).transpose(-1, -2)

@@ -8,9 +8,10 @@
 // with no horizontal sums, and one unpacking serves all 8. (The row layout's tiles spend more on unpacking
 // and reducing than on multiplying: a Q4_K GEMV ran at 24 GMAC/s a core, a third of memory speed.)
 // Per panel of 8 rows and super-block of 256 weights:
-//   Q4_K_X8, 1184 bytes: fp16 d[8] | fp16 dmin[8] | u8 sc[8 blocks][8 rows] | u8 m[8][8] | qs[4][8][8][4]
+//   Q4_K_X8, 1152 bytes (8 rows' own): fp16 d[8] | fp16 dmin[8] | scale bytes [12][8 rows] | qs[4][8][8][4]
 //     qs[p][s][r][k] = row r's Q4_K quant byte 32 p + 4 s + k: its low nibble weight 4 s + k of block 2 p,
-//     its high nibble the same weight of block 2 p + 1; the 6-bit scales and mins unpacked to bytes.
+//     its high nibble the same weight of block 2 p + 1; the 12 bytes of 6-bit scales and mins as they are,
+//     byte i of the 8 rows together (q4k_scales unpacks a block's for 8 rows at once).
 //   Q6_K_X8, 1680 bytes: fp16 d[8] | int8 sc[16 halves][8 rows] | ql[4][8][8][4] | qh[2][8][8][4]
 //     ql[p][s][r][k]: the low 4 bits of weight 4 s + k of block 2 p (low nibble) and of block 2 p + 1
 //     (high); qh[t][s][r][k]: the top 2 bits of that weight of blocks 4 t .. 4 t + 3 (block 4 t + i in bits
@@ -53,13 +54,29 @@ inline __m256i bcast4(const void* p) {  // 4 bytes to every lane
   return _mm256_set1_epi32(v);
 }
 
+// Block j's scale and min (6-bit integers, gguf's get_scale_min) for a super-block's 8 rows, as int32 lanes
+inline void q4k_scales(const uint8_t* S, int j, __m256i& sc, __m256i& m) {
+  const auto byte = [S](int i) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 32 + 8 * i)));
+  };
+  const __m256i k63 = _mm256_set1_epi32(63), k15 = _mm256_set1_epi32(15);
+  if (j < 4) {
+    sc = _mm256_and_si256(byte(j), k63);
+    m = _mm256_and_si256(byte(j + 4), k63);
+  } else {
+    const __m256i b = byte(j + 4), top = _mm256_set1_epi32(0x30);
+    sc = _mm256_or_si256(_mm256_and_si256(b, k15), _mm256_and_si256(_mm256_srli_epi32(byte(j - 4), 2), top));
+    m = _mm256_or_si256(_mm256_srli_epi32(b, 4), _mm256_and_si256(_mm256_srli_epi32(byte(j), 2), top));
+  }
+}
+
 // Weights 4 s .. 4 s + 3 of blocks 2 p and 2 p + 1 of a super-block's 8 rows, as bytes (Q4_K 0..15, Q6_K
 // 0..63): the two blocks share their loads.
 template <int F>
 inline void x8_weights(const uint8_t* S, int p, int s, __m256i& w0, __m256i& w1) {
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   if constexpr (F != Q6_K_X8) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (F == Q4_K_X8 ? 160 : 256) + 256 * p + 32 * s));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (F == Q4_K_X8 ? 128 : 256) + 256 * p + 32 * s));
     w0 = _mm256_and_si256(v, lo4);
     w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
   } else {
@@ -129,10 +146,10 @@ TM_AVX512 void widen_x8(const uint8_t* P, int64_t panel_bytes, int64_t nsb, int 
           } else if constexpr (FX == Q4_K_X8) {  // as group_scales: d sc and -dmin m, exact
             const __m256 ndmin = _mm256_xor_ps(_mm512_castps512_ps256(sign),
                                                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 16))));
-            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 32 + 8 * j)))));
-            m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 96 + 8 * j)))));
+            __m256i sc, mn;
+            q4k_scales(S[h], j, sc, mn);
+            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(sc));
+            m = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn));
           } else {  // the scales of the block's two halves
             d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S[h] + 16 + 16 * j)))));
