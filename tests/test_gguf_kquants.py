@@ -152,8 +152,11 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
 def test_panels_hold_the_rows_byte_for_byte(kind):
     """Panels of 8 rows are the row blocks reordered: back to rows exactly; a layer keeps them where its rows
     are a multiple of 8, and its weight, the embedding looked up from it and its output are the row layout's."""
+    from tokenmill.layers.panels import to_panels
+
     qt = _native(kind, 40, 768, seed=3)
-    panels = qt.kernel_layout(panels=True)
+    panels = qt.kernel_layout(panels=True)  # the kernels' repacking, against the torch reference
+    assert torch.equal(panels, to_panels(qt.data, qt.fmt, qt.shape))
     assert panels.numel() == qt.data.numel() and not torch.equal(panels.reshape(-1), qt.data.reshape(-1))
     assert torch.equal(QuantizedTensor.from_kernel_layout(panels, PANEL_FORMATS[qt.fmt], (40, 768)).data, qt.data)
     lin, odd = QuantizedLinear(qt), QuantizedLinear(QuantizedTensor(qt.data[:37].contiguous(), qt.fmt, (37, 768)))

@@ -10,6 +10,7 @@ import torch
 import tiny_models as tm
 from helpers import needs_kernels
 from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
+from tokenmill.layers.panels import to_panels
 from tokenmill.layers.quant import (FORMAT_IDS, QuantizedLinear, QuantizedTensor, dequantize_rows,
                                     q4_0_to_q4_1, quantize_int4, quantize_int8, quantize_q8_0,
                                     ref_quantize_activations, ref_qlinear)
@@ -165,6 +166,7 @@ def test_q4_1_in_panels_gives_the_row_layouts_bits():
     qw = QUANTIZERS["int4"](torch.randn(n, k))
     layer = QuantizedLinear(qw)
     assert layer.kernel_fmt == "q4_1_x8" and torch.equal(layer.weight.data, qw.data)
+    assert torch.equal(layer.qweight, to_panels(qw.data, "q4_1", (n, k)))  # the kernels' repacking is the reference's
     assert QuantizedLinear(QUANTIZERS["int4"](torch.randn(n, 608))).kernel_fmt == "q4_1"  # K not of 256: rows
     x = torch.randn(24, k) * 2
     ref = ref_qlinear(x, qw)

@@ -41,7 +41,7 @@ import torch
 
 from tokenmill.config import QUANTIZATIONS
 from tokenmill.layers.kernels import cpu_kernels
-from tokenmill.layers.panels import ROW_FORMATS, from_panels, panel_format, to_panels
+from tokenmill.layers.panels import PANEL_FORMATS, ROW_FORMATS, from_panels, panel_format, to_panels
 
 QK = 32
 QK_K = 256  # a K-quant super-block
@@ -90,8 +90,11 @@ class QuantizedTensor:
         K-quants' super-blocks as they are (each header holds its eight sub-blocks' scales). See
         csrc/cpu_kernels.cpp. ``panels``: in the panel format of ``panel_format(fmt, n, k)`` instead
         (layers/panels.py), which the caller checked there is."""
-        if panels:
-            return to_panels(self.data, self.fmt, self.shape)
+        if panels:  # in C++ where the kernels are (the torch reference builds large temporaries)
+            ops = _ops()
+            if ops is None:
+                return to_panels(self.data, self.fmt, self.shape)
+            return ops.to_panels(self.data.contiguous(), FORMAT_IDS[PANEL_FORMATS[self.fmt]], *self.shape)
         if self.fmt not in _HEADS:
             return self.data.contiguous().clone()
         blk = self.blocks()
@@ -371,7 +374,8 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.fmt = weight.fmt
-        self.kernel_fmt = panel_format(weight.fmt, self.out_features, self.in_features)  # panels of 8 rows
+        # panels of 8 rows where the kernels run (they alone read them faster)
+        self.kernel_fmt = panel_format(weight.fmt, *weight.shape) if _ops() is not None else weight.fmt
         self.register_buffer("qweight", weight.kernel_layout(panels=self.kernel_fmt != self.fmt))  # what the kernels read
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._dense: torch.Tensor | None = None
