@@ -166,6 +166,12 @@ def test_panels_hold_the_rows_byte_for_byte(kind):
     assert torch.equal(QuantizedEmbedding(lin)(ids), qt.dequantize()[ids])
     x = torch.randn(3, 768)
     assert torch.equal(lin(x), ref_qlinear(x, qt))
+    # a matrix of over a MiB: its GEMV takes chunks of panels in turn across threads (gemm_x8), the same bits
+    big = _native(kind, 2048, 1024, seed=4)
+    x = torch.randn(3, 1024)
+    ref = ref_qlinear(x, big)
+    for m in (1, 2, 3):
+        assert torch.equal(QuantizedLinear(big)(x[:m]), ref[:m]), m
 
 
 def _extreme_blocks(kind: str, n: int, k: int) -> np.ndarray:

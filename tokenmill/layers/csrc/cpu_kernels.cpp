@@ -513,8 +513,8 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float
   const bool prefetch = M < 8;
   const int64_t groups = (nb + 7) / 8;
   const int64_t pf_lines = (RN * row_bytes + 64 * groups - 1) / (64 * groups);  // a tile's lines, per group
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    if (prefetch)  // the first PF_DIST bytes of this thread's rows, which the loop below does not prefetch
+  const auto span = [&](int64_t t0, int64_t t1) {
+    if (prefetch)  // the first PF_DIST bytes of these rows, which the loop below does not prefetch
       for (int64_t o = 0; o < std::min<int64_t>(PF_DIST, (t1 - t0) * RN * row_bytes); o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(W + t0 * RN * row_bytes + o), _MM_HINT_T0);
     for (int64_t mc = 0; mc < M; mc += chunk) {
@@ -537,7 +537,8 @@ void gemm(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float
         }
       }
     }
-  });
+  };
+  at::parallel_for(0, tiles, 1, span);
 }
 
 #include "panels_x8.h"
