@@ -122,7 +122,7 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     and crossing are as they were after the timing."""
     import time
 
-    from tokenmill.layers.quant import FORMAT_IDS, QuantizedTensor
+    from tokenmill.layers.formats import FORMAT_IDS
 
     before, crossing_before = ops.kernel_isa(""), ops.vnni_min_tokens(0)
     if before != "avx512vnni":  # this CPU lacks it, or TOKENMILL_CPU_ISA=avx2 turned it off
@@ -131,9 +131,9 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
     mats = []
     for n, k, count in SHAPES:
         for _ in range(count):  # Q8_0 blocks: an fp16 scale of 1/64, then 32 random int8s
-            blocks = torch.randint(0, 256, (n, k // 32, 34), dtype=torch.uint8, generator=gen)
-            blocks[..., :2] = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
-            w = QuantizedTensor(blocks.reshape(n, -1), "q8_0", (n, k)).kernel_layout()
+            # in the kernel layout (quant.py's kernel_layout): a row's fp16 scales, then its int8 quants
+            scales = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8).repeat(n, k // 32)
+            w = torch.cat([scales, torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)], 1).contiguous()
             mats.append((w, n, torch.randn(max(CROSSING_TOKENS), k, generator=gen)))
     best: dict[tuple[str, int], float] = {}
     try:

@@ -14,14 +14,15 @@ is ``x`` byte for byte). Per panel of 8 rows and super-block of 256 weights:
 - ``q4_1`` (1280 bytes per 8 blocks of 32, the same as 8 rows): fp16 d [8 blocks][8 rows] | fp16 m [8][8] |
   quants as ``q4_k``'s (the low nibble weight 4 s + k of block 2 p, the high nibble that of block 2 p + 1).
 
-Imports nothing of tokenmill (quant.py imports it).
+Imports nothing of tokenmill but the formats (quant.py imports it).
 """
 
 from __future__ import annotations
 
 import torch
 
-QK_K = 256
+from tokenmill.layers.formats import QK_K
+
 PANEL_ROWS = 8
 PANEL_FORMATS = {"q4_k": "q4_k_x8", "q6_k": "q6_k_x8", "q4_1": "q4_1_x8"}  # row format -> its panel format
 ROW_FORMATS = {v: k for k, v in PANEL_FORMATS.items()}

@@ -40,16 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import QUANTIZATIONS
+from tokenmill.layers.formats import BLOCK_BYTES, BLOCK_WEIGHTS, FORMAT_IDS, QK, QK_K  # noqa: F401 (re-exported)
 from tokenmill.layers.kernels import cpu_kernels
 from tokenmill.layers.panels import PANEL_FORMATS, ROW_FORMATS, from_panels, panel_format, to_panels
 
-QK = 32
-QK_K = 256  # a K-quant super-block
-BLOCK_WEIGHTS = {"q8_0": QK, "q4_1": QK, "q5_0": QK, "q4_k": QK_K, "q5_k": QK_K, "q6_k": QK_K}
-BLOCK_BYTES = {"q8_0": 34, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # per block
-# the kernel's fmt argument: the row formats, then Q4_K, Q6_K and Q4_1 in panels of 8 rows (layers/panels.py)
-FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "q5_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "q4_k_x8": 6, "q6_k_x8": 7,
-              "q4_1_x8": 8}
 _HEADS = {"q8_0": 2, "q4_1": 4, "q5_0": 2}  # bytes of fp16 scale (and min) that kernel_layout moves to the front
 
 

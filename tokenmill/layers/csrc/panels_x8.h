@@ -222,3 +222,72 @@ void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
     }
   });
 }
+
+// ---- into panels: the file's row blocks -> a panel format (layers/panels.py's to_panels is the reference) ---
+// data [n, row bytes] in GGUF's block layout; fmt a panel format; n a multiple of 8, k of 256. The bytes are
+// only reordered (Q6_K's high bits and Q4_K's scales move as they are; the low nibbles of two blocks pair up).
+at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) {
+  TORCH_CHECK(is_x8(fmt), "tokenmill::to_panels: fmt must be a panel format (6, 7 or 8), got ", fmt);
+  TORCH_CHECK(n % 8 == 0 && k % 256 == 0, "tokenmill::to_panels: needs rows a multiple of 8 and in_features of 256, "
+              "got [", n, ", ", k, "]");
+  const int64_t per = fmt == Q4_K_X8 ? 144 : fmt == Q6_K_X8 ? 210 : 160;  // a row's bytes per 256 weights
+  const int64_t nsb = k / 256, row_bytes = nsb * per, sb_bytes = x8_bytes(fmt);
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous() &&
+              data.numel() == n * row_bytes, "tokenmill::to_panels: data must be contiguous uint8 [", n, ", ",
+              row_bytes, "]");
+  at::Tensor out = at::empty({n / 8, nsb * sb_bytes}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / 8 * nsb, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p = b / nsb, sb = b % nsb;
+      uint8_t* S = dst + b * sb_bytes;
+      const uint8_t* R[8];
+      for (int r = 0; r < 8; ++r) R[r] = src + (8 * p + r) * row_bytes + sb * per;
+      const auto words = [&](int64_t to, int64_t from, int count) {  // 4-byte words of each row, row-interleaved
+        for (int w = 0; w < count; ++w)
+          for (int r = 0; r < 8; ++r) std::memcpy(S + to + 32 * w + 4 * r, R[r] + from + 4 * w, 4);
+      };
+      if (fmt == Q4_K_X8) {
+        for (int r = 0; r < 8; ++r) {
+          std::memcpy(S + 2 * r, R[r], 2);
+          std::memcpy(S + 16 + 2 * r, R[r] + 2, 2);
+          for (int i = 0; i < 12; ++i) S[32 + 8 * i + r] = R[r][4 + i];
+        }
+        words(128, 16, 32);
+      } else if (fmt == Q6_K_X8) {
+        for (int r = 0; r < 8; ++r) {
+          std::memcpy(S + 2 * r, R[r] + 208, 2);
+          for (int h = 0; h < 16; ++h) S[16 + 8 * h + r] = R[r][192 + h];
+        }
+        // low nibbles of blocks 2 q, 2 q + 1: ql bytes 64 (q / 2) + i and + 32, nibble q % 2 of each
+        for (int q = 0; q < 4; ++q)
+          for (int s = 0; s < 8; ++s)
+            for (int r = 0; r < 8; ++r)
+              for (int kk = 0; kk < 4; ++kk) {
+                const uint8_t a = R[r][64 * (q >> 1) + 4 * s + kk], c = R[r][64 * (q >> 1) + 32 + 4 * s + kk];
+                S[144 + 256 * q + 32 * s + 4 * r + kk] =
+                    q & 1 ? static_cast<uint8_t>((a >> 4) | (c & 0xF0)) : static_cast<uint8_t>((a & 0x0F) | (c << 4));
+              }
+        words(1168, 128, 16);  // the high bit pairs of blocks 4 t .. 4 t + 3 are qh byte 32 t + i as it is
+      } else {
+        for (int r = 0; r < 8; ++r)
+          for (int j = 0; j < 8; ++j) {
+            std::memcpy(S + 16 * j + 2 * r, R[r] + 20 * j, 2);
+            std::memcpy(S + 128 + 16 * j + 2 * r, R[r] + 20 * j + 2, 2);
+          }
+        const auto w = [&](int r, int j, int i) {  // weight i of block j: nibble i / 16 of byte i % 16
+          const uint8_t v = R[r][20 * j + 4 + (i & 15)];
+          return i < 16 ? v & 0x0F : v >> 4;
+        };
+        for (int q = 0; q < 4; ++q)
+          for (int s = 0; s < 8; ++s)
+            for (int r = 0; r < 8; ++r)
+              for (int kk = 0; kk < 4; ++kk)
+                S[256 + 256 * q + 32 * s + 4 * r + kk] =
+                    static_cast<uint8_t>(w(r, 2 * q, 4 * s + kk) | (w(r, 2 * q + 1, 4 * s + kk) << 4));
+      }
+    }
+  });
+  return out;
+}
