@@ -8,7 +8,8 @@ choice in float on a real model's quantized weights (the weights dequantized exa
 quantized and dequantized as the kernel would; only the float summation order differs from an integer
 kernel, far below the quantization error) and reports, per text:
 
-- perplexity (the second half of each window scored) for: the kernels as they are (int16), float
+- perplexity (the second half of each window scored) for: the kernels as they are (int16) and with
+  ``--activation-precision int8`` (int8), float
   activations (weight-only quantization: the bound), int8 per 32 (Q8_0 style, every format), and int8
   as llama.cpp picks it (per 256 for K-quant weights, per 32 for the others);
 - teacher-forced top-1 agreement of each with the int16 kernels and with float activations: the share
@@ -19,7 +20,7 @@ kernel, far below the quantization error) and reports, per text:
 
 ``--code DIR`` scores the concatenated .py files under DIR (code is the other kind of text people send).
 The model runs its decoder layers op by op (``set_layer_fusion(False)``) so each linear layer's activations
-pass through the emulation; the ``int16`` rows use the real kernel (``torch.ops.tokenmill.qlinear``).
+pass through the emulation; the ``int16`` and ``int8`` rows use the real kernel (``torch.ops.tokenmill.qlinear``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import prefill_logits  # noqa: E402  (the engine's paged prefill, every position's logits)
 
 from tokenmill import LLM  # noqa: E402
+from tokenmill.layers.kernels import set_activation_precision  # noqa: E402
 from tokenmill.layers.quant import BLOCK_WEIGHTS, QuantizedLinear  # noqa: E402
 from tokenmill.models.registry import DEFAULT_MODEL  # noqa: E402
 
-MODES = ("int16", "float", "int8/32", "int8/llama.cpp")
+MODES = ("int16", "int8", "float", "int8/32", "int8/llama.cpp")
+KERNEL_MODES = ("int16", "int8")  # the kernels themselves (--activation-precision); the others emulated
 
 
 def fake_quant(x: torch.Tensor, block: int, steps: int) -> torch.Tensor:
@@ -61,7 +64,7 @@ class Emulation:
         emu = self
 
         def forward(lin: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-            if emu.mode == "int16":
+            if emu.mode in KERNEL_MODES:
                 return emu._kernel(lin, x)
             w = emu._dense.get(id(lin))
             if w is None:
@@ -91,6 +94,7 @@ def score(engine, emu: Emulation, wins: list[list[int]]) -> dict:
         logits = {}
         for m in MODES:
             emu.mode = m
+            set_activation_precision("int8" if m == "int8" else "int16")
             lg = prefill_logits(engine, w)[first - 1:-1].float()
             logits[m] = lg
             nll[m] -= float(torch.log_softmax(lg, -1).gather(-1, target[:, None]).double().sum())
@@ -100,6 +104,7 @@ def score(engine, emu: Emulation, wins: list[list[int]]) -> dict:
                 same[m][ref] += int((top[m] == top[ref]).sum())
         count += len(target)
     emu.mode = "int16"
+    set_activation_precision("int16")
     return {m: {"perplexity": math.exp(nll[m] / count), "top1_vs_int16": same[m]["int16"] / count,
                 "top1_vs_float": same[m]["float"] / count} for m in MODES} | {"positions": count}
 

@@ -187,6 +187,10 @@ def main() -> None:
     peaks = measure_gemm_peaks()
     print(f"roofline: bandwidth {bw:.1f} GB/s, fp32 GEMM {peaks['fp32_gflops']:.0f} GFLOP/s, "
           f"int kernel {peaks.get('int_kernel_gflops', float('nan')):.0f} GFLOP/s ({args.threads} threads)")
+    from tokenmill.layers.kernels import cpu_kernels
+
+    if (ops := cpu_kernels()) is not None:  # TOKENMILL_CPU_ISA, TOKENMILL_ACTIVATIONS
+        print(f"tokenmill kernels: {ops.kernel_isa('')}, {ops.activation_precision('')} activations")
     from tokenmill.models.registry import resolve_model
 
     gguf = str(resolve_model(args.model).path)

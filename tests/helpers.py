@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,20 @@ from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_
 # should, a failed build runs the tests and fails them.
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None and not kernels_expected(),
                                    reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+PRECISIONS = ("int16", "int8")  # the kernels' activations (TOKENMILL_ACTIVATIONS)
+
+
+@contextlib.contextmanager
+def activations(name: str):
+    """The kernels' activation precision set to ``name`` for the block, as it was after."""
+    ops = cpu_kernels()
+    before = ops.activation_precision("")
+    ops.activation_precision(name)
+    try:
+        yield
+    finally:
+        ops.activation_precision(before)
 
 
 @torch.inference_mode()

@@ -143,14 +143,39 @@ def test_batch_invariance_property(llm_default):
 
 @needs_kernels
 @pytest.mark.parametrize("mode", [dict(quantization="none"), dict(quantization="int4"), dict(kv_cache_dtype="int8"),
-                                  dict(kv_cache_dtype="fp8")], ids=["none", "int4", "kv-int8", "kv-fp8"])
-def test_batch_invariance_property_in_every_mode(mode):
+                                  dict(kv_cache_dtype="fp8"), dict(activation_precision="int8")],
+                         ids=["none", "int4", "kv-int8", "kv-fp8", "act-int8"])
+def test_batch_invariance_property_in_every_mode(mode, monkeypatch):
     """The other modes on the CPU in float32: float weights through PanelLinear's fixed-order GEMM,
-    requantized blocks, and 1-byte KV caches read by the same attention kernel."""
+    requantized blocks, 1-byte KV caches read by the same attention kernel, int8 activations."""
     from tokenmill import LLM
+    from tokenmill.layers.kernels import set_activation_precision
 
-    llm = LLM(kv_cache_memory="128MiB", max_model_len=2048, **mode)
-    assert invariance_violations(llm, trials=3, seed=1) == 0
+    monkeypatch.setenv("TOKENMILL_ACTIVATIONS", "int16")  # restored after; the engine sets it process-wide
+    try:
+        llm = LLM(kv_cache_memory="128MiB", max_model_len=2048, **mode)
+        assert invariance_violations(llm, trials=3, seed=1) == 0
+    finally:
+        set_activation_precision("int16")
+
+
+@needs_kernels
+def test_int8_activations_are_one_flag_away(llm_default, monkeypatch):
+    """--activation-precision int8 reaches the kernels (other bits than int16's), stays close to them, and
+    int16 comes back when set again."""
+    from tokenmill.layers.kernels import set_activation_precision
+
+    ids = llm_default.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4 + "In 1492, Columbus")
+    ref = prefill_logits(llm_default.engine, ids)
+    monkeypatch.setenv("TOKENMILL_ACTIVATIONS", "int16")
+    try:
+        set_activation_precision("int8")
+        got = prefill_logits(llm_default.engine, ids)
+    finally:
+        set_activation_precision("int16")
+    assert torch.equal(prefill_logits(llm_default.engine, ids), ref)
+    assert not torch.equal(got, ref)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9  # measured: 46 of 48 positions
 
 
 @needs_kernels

@@ -14,7 +14,7 @@ import torch
 
 import kquants
 import tiny_models as tm
-from helpers import needs_kernels, prefill_logits
+from helpers import PRECISIONS, activations, needs_kernels, prefill_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.panels import PANEL_FORMATS
 from tokenmill.layers.quant import (FORMAT_IDS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, common_format,
@@ -106,12 +106,14 @@ def _isas(ops) -> list[str]:
 
 
 @needs_kernels
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", NATIVE)
-def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
+def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind, precision):
     """The kernel's result is ref_qlinear's, bit for bit, for every batch size from 1 to 40 (so a token's row
     does not depend on the batch) and on both instruction sets (AVX2 below the crossing, AVX512-VNNI panels
     from it where the CPU has them, VNNI for every batch size, and AVX2 throughout when forced), in the row
-    layout and, for Q4_K and Q6_K, in panels of 8 rows (whose GEMV, many-token GEMM and VNNI widening differ)."""
+    layout and, for Q4_K and Q6_K, in panels of 8 rows (whose GEMV, many-token GEMM and VNNI widening differ);
+    with int16 activations and with int8 (the panels then skip the low byte's products)."""
     from tokenmill.layers.kernels import cpu_kernels
 
     ops = cpu_kernels()
@@ -123,28 +125,30 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind):
         x = torch.randn(40, k) * 3
         x[3] = 0  # a token of zeros, and a zero block
         x[5, :32] = 0
-        ref = ref_qlinear(x, qt)
-        try:
-            for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
-                ops.kernel_isa(isa)
-                ops.vnni_min_tokens(first)
-                full = ops.qlinear(x, packed, n, fid)
-                assert torch.equal(full, ref), (isa, first, fid, (full - ref).abs().max().item())
-                for m in range(1, 40):
-                    assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, first, fid, m)
-                assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), (isa, first, fid)
-        finally:
-            ops.kernel_isa(before)
-            ops.vnni_min_tokens(crossing)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(ops.qlinear(x[2:30], packed, n, fid), ref[2:30])
-        finally:
-            torch.set_num_threads(threads)
-        # and the int16 activations cost almost nothing against the float product with the same weights
+        ref = ref_qlinear(x, qt, int8=precision == "int8")
+        with activations(precision):
+            try:
+                for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
+                    ops.kernel_isa(isa)
+                    ops.vnni_min_tokens(first)
+                    full = ops.qlinear(x, packed, n, fid)
+                    assert torch.equal(full, ref), (isa, first, fid, (full - ref).abs().max().item())
+                    for m in range(1, 40):
+                        assert torch.equal(ops.qlinear(x[:m], packed, n, fid), full[:m]), (isa, first, fid, m)
+                    assert torch.equal(ops.qlinear(x[17:35], packed, n, fid), full[17:35]), (isa, first, fid)
+            finally:
+                ops.kernel_isa(before)
+                ops.vnni_min_tokens(crossing)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(ops.qlinear(x[2:30], packed, n, fid), ref[2:30])
+            finally:
+                torch.set_num_threads(threads)
+        # and the int16 activations cost almost nothing against the float product with the same weights (int8's
+        # 127 steps about 0.6%)
         dense = x.double() @ qt.dequantize().double().t()
-        assert ((ref - dense).norm() / dense.norm()).item() < 2e-4
+        assert ((ref - dense).norm() / dense.norm()).item() < (2e-4 if precision == "int16" else 1e-2)
 
 
 @needs_kernels
@@ -190,24 +194,27 @@ def _extreme_blocks(kind: str, n: int, k: int) -> np.ndarray:
 
 
 @needs_kernels
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", NATIVE)
-def test_kernel_on_extreme_blocks_and_activations(kind):
+def test_kernel_on_extreme_blocks_and_activations(kind, precision):
     from tokenmill.layers.kernels import cpu_kernels
 
     ops = cpu_kernels()
     n, k = 17, 512
     qt = QuantizedTensor(torch.from_numpy(_extreme_blocks(kind, n, k)), NATIVE[kind], (n, k))
-    x = torch.ones(20, k)  # every activation 32767 (or -32767) steps
+    x = torch.ones(20, k)  # every activation 32767 (or -32767) steps; int8: 127 steps, held as 32512
     x[1::2] = -1
-    ref = ref_qlinear(x, qt)
+    ref = ref_qlinear(x, qt, int8=precision == "int8")
     before, crossing = ops.kernel_isa(""), ops.vnni_min_tokens(0)
     try:
-        for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
-            ops.kernel_isa(isa)
-            ops.vnni_min_tokens(first)
-            for q, packed, fid in _layouts(qt):
-                for m in (1, 5, 20):
-                    assert torch.equal(ops.qlinear(x[:m], packed, q.shape[0], fid), ref[:m, :q.shape[0]]), (isa, fid, m)
+        with activations(precision):
+            for isa, first in [(isa, first) for isa in _isas(ops) for first in (crossing, 1)]:
+                ops.kernel_isa(isa)
+                ops.vnni_min_tokens(first)
+                for q, packed, fid in _layouts(qt):
+                    for m in (1, 5, 20):
+                        got = ops.qlinear(x[:m], packed, q.shape[0], fid)
+                        assert torch.equal(got, ref[:m, :q.shape[0]]), (isa, fid, m)
     finally:
         ops.kernel_isa(before)
         ops.vnni_min_tokens(crossing)

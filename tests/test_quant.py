@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from helpers import needs_kernels
+from helpers import PRECISIONS, activations, needs_kernels
 from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
 from tokenmill.layers.panels import to_panels
 from tokenmill.layers.quant import (FORMAT_IDS, QuantizedLinear, QuantizedTensor, dequantize_rows,
@@ -22,6 +22,26 @@ def test_kernels_build_where_they_should():
     """On x86-64 with AVX2 and a compiler the kernels are the default path: their absence is a failure."""
     if kernels_expected():
         assert cpu_kernels() is not None, unavailable_reason()
+
+
+def test_activation_precision_is_checked_where_it_is_given(monkeypatch):
+    from tokenmill.cli import build_parser
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.arg_utils import engine_kwargs
+    from tokenmill.layers.kernels import activation_precision_from_env, set_activation_precision
+
+    with pytest.raises(ValueError, match="int16 or int8"):
+        EngineConfig(activation_precision="int4")
+    with pytest.raises(ValueError, match="must be one of int16, int8"):
+        set_activation_precision("fp8")
+    monkeypatch.setenv("TOKENMILL_ACTIVATIONS", "fp8")
+    with pytest.raises(ValueError, match="TOKENMILL_ACTIVATIONS must be one of int16, int8"):
+        activation_precision_from_env()
+    monkeypatch.delenv("TOKENMILL_ACTIVATIONS")
+    assert activation_precision_from_env() == "int16"
+    a = build_parser().parse_args(["generate", "hi", "--activation-precision", "int8"])
+    assert engine_kwargs(a)["activation_precision"] == "int8"
+    assert engine_kwargs(build_parser().parse_args(["generate", "hi"]))["activation_precision"] is None
 
 
 def test_quantizers_round_trip_within_their_step():
@@ -83,21 +103,24 @@ def test_bad_quantized_data_is_refused():
 
 
 @needs_kernels
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "int4"])
 @pytest.mark.parametrize("m", [1, 2, 5, 17, 70])
 @pytest.mark.parametrize("k", [192, 96, 608])
-def test_kernel_matches_its_reference(fmt, m, k):
+def test_kernel_matches_its_reference(fmt, m, k, precision):
     # N not a multiple of the tile; K / 32 = 6, 3 (odd: an unpaired last block), 19 (a partial scale group)
     torch.manual_seed(m)
     n = 37
     qw = QUANTIZERS[fmt](torch.randn(n, k))
     x = torch.randn(m, k) * 3
-    y = cpu_kernels().qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
-    ref = ref_qlinear(x, qw)
+    with activations(precision):
+        y = cpu_kernels().qlinear(x, qw.kernel_layout(), n, FORMAT_IDS[qw.fmt])
+    ref = ref_qlinear(x, qw, int8=precision == "int8")
     assert torch.equal(y, ref), (y - ref).abs().max().item()  # the reference is the kernel's arithmetic, bit for bit
-    # and the int16 activations cost almost nothing against the float product with the same weights
+    # and the int16 activations cost almost nothing against the float product with the same weights (int8's
+    # 127 steps about 0.6%)
     dense = x @ qw.dequantize().t()
-    assert (y - dense).norm() / dense.norm() < 2e-4
+    assert (y - dense).norm() / dense.norm() < (2e-4 if precision == "int16" else 1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "int4"])
@@ -169,14 +192,16 @@ def test_q4_1_in_panels_gives_the_row_layouts_bits():
     assert torch.equal(layer.qweight, to_panels(qw.data, "q4_1", (n, k)))  # the kernels' repacking is the reference's
     assert QuantizedLinear(QUANTIZERS["int4"](torch.randn(n, 608))).kernel_fmt == "q4_1"  # K not of 256: rows
     x = torch.randn(24, k) * 2
-    ref = ref_qlinear(x, qw)
     ops = cpu_kernels()
     before = ops.kernel_isa("")
     try:
-        for isa in {"avx2", _vnni_or_none(ops)} - {None}:
-            ops.kernel_isa(isa)
-            for m in (1, 2, 3, 4, 7, 24):
-                assert torch.equal(layer(x[:m]), ref[:m]), (isa, m)
+        for precision in PRECISIONS:
+            ref = ref_qlinear(x, qw, int8=precision == "int8")
+            for isa in {"avx2", _vnni_or_none(ops)} - {None}:
+                ops.kernel_isa(isa)
+                with activations(precision):
+                    for m in (1, 2, 3, 4, 7, 24):
+                        assert torch.equal(layer(x[:m]), ref[:m]), (precision, isa, m)
     finally:
         ops.kernel_isa(before)
 

@@ -317,6 +317,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 for quantized weights on the CPU kernels, else bf16 where fast (platform.py)
     device: str = "cpu"
     quantization: str = "auto"  # weights: auto | none | int8 | int4 | gguf (layers/quant.py)
+    # The CPU kernels' activations: int16 | int8 (layers/kernels.py); None: TOKENMILL_ACTIVATIONS, else int16
+    activation_precision: str | None = None
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -337,6 +339,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.activation_precision not in (None, "int16", "int8"):
+            raise ValueError(f"activation_precision must be int16 or int8, got {self.activation_precision!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in float32 with the kernels built; else none); none (float); int8 (per output channel); "
                         "int4 (groups of 32, scale and zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 "
                         "blocks). Quantized layers run integer CPU kernels")
+    g.add_argument("--activation-precision", default=None, choices=["int16", "int8"],
+                   help="the CPU kernels' activations, quantized per token and block of 32: int16 (default, or "
+                        "TOKENMILL_ACTIVATIONS; within 1e-4 of float activations) or int8 (llama.cpp's 127 steps: "
+                        "about twice the prefill and batched speed on AVX2 for K-quant and Q4_0/Q4_1 files, at "
+                        "about 97%% top-1 agreement; BENCHMARKS.md). Either is batch invariant")
     g.add_argument("--max-model-len", type=int, default=None, help="context length to serve (default: the model's)")
     g.add_argument("--kv-cache-memory", default="0.1",
                    help="KV cache size: bytes (2GiB, 512MB) or a fraction of free memory (0.1 = 10%%; default)")
@@ -187,7 +192,8 @@ def _itl_target_ms(a: argparse.Namespace) -> float | None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
+    return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization,
+                activation_precision=a.activation_precision, max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,

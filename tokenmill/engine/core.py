@@ -19,7 +19,7 @@ from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
-from tokenmill.layers.kernels import cpu_kernels  # noqa: E402
+from tokenmill.layers.kernels import activation_precision_from_env, cpu_kernels, set_activation_precision  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.registry import resolve_model  # noqa: E402
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
@@ -47,6 +47,19 @@ def _device_uuid(device: torch.device) -> str | None:
         return None
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return None if uuid is None else f"GPU-{uuid}"
+
+
+def _activation_precision(config: EngineConfig, device: torch.device) -> str:
+    """--activation-precision (else TOKENMILL_ACTIVATIONS, else int16), set for this process's CPU kernels; int8
+    only where they run."""
+    name = config.activation_precision or activation_precision_from_env()
+    if device.type != "cpu":
+        if name != "int16":
+            raise ValueError(f"--activation-precision {name} applies to tokenmill's CPU kernels; on {device} "
+                             "leave it at int16")
+        return name
+    set_activation_precision(name)
+    return name
 
 
 class InjectedFault(RuntimeError):
@@ -108,6 +121,7 @@ class EngineCore:
         # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
+        self.activation_precision = _activation_precision(config, self.device)
         phase("kernels")
         tp = None
         if config.parallel.world_size > 1:
@@ -147,7 +161,8 @@ class EngineCore:
                 "raise --kv-cache-memory"
             )
         # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
-        salt = f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}".encode()
+        salt = (f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}|"
+                f"{self.activation_precision}").encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
         # Where every token's attention reads only the slots its context has written (the CPU kernels'
         # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
@@ -247,7 +262,8 @@ class EngineCore:
             raise ValueError(f"--kv-role {role} with a draft model is not built yet (the drafter's KV would have "
                              "to travel too); use --speculative-method ngram or none")
         cfg = self.model_config
-        layout = (f"{self.model_name}|{self.dtype}|{self.quantization}|kv {config.cache.kv_cache_dtype}|block "
+        layout = (f"{self.model_name}|{self.dtype}|{self.quantization}|act {self.activation_precision}|"
+                  f"kv {config.cache.kv_cache_dtype}|block "
                   f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
         self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
         self.scheduler.recompute_failed_kv = config.kv_transfer.kv_load_failure_policy == "recompute"

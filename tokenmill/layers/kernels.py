@@ -12,6 +12,12 @@ instruction set at run time (AVX512-VNNI where the CPU has it, else AVX2; the sa
 VNNI from as many tokens as pays on this CPU (timed at the first load on a machine, ``_vnni_crossing``, and
 kept beside the build);
 ``TOKENMILL_CPU_ISA=avx2`` forces AVX2, and ``torch.ops.tokenmill.kernel_isa("")`` says which is in use.
+
+Activations are quantized to int16 per token and block of 32 (the default; float activations to four decimals
+of perplexity) or, with ``TOKENMILL_ACTIVATIONS=int8`` / ``--activation-precision int8``
+(``set_activation_precision``), to llama.cpp's 127 steps: half the multiply-adds for the K-quants and Q4_0/Q4_1
+in panels, at a measured cost in agreement (BENCHMARKS.md). Either is batch invariant; the setting is
+process-wide.
 """
 
 from __future__ import annotations
@@ -95,6 +101,31 @@ CROSSING_TOKENS = (4, 6, 8, 10, 12, 16)
 # (out, in, how many): a small model's MLP up and down matrices and a head, some 25 MB of Q8_0 in all, so
 # that the weights stream from memory as in a real step (cached in L2/L3 the crossing comes out lower)
 SHAPES = ((1536, 576, 8), (576, 1536, 8), (16384, 576, 1))
+
+
+ACTIVATION_PRECISIONS = ("int16", "int8")
+
+
+def activation_precision_from_env() -> str:
+    """``TOKENMILL_ACTIVATIONS`` ("int16" when unset); any other value is refused."""
+    env = os.environ.get("TOKENMILL_ACTIVATIONS", "") or "int16"
+    if env not in ACTIVATION_PRECISIONS:
+        raise ValueError(f"TOKENMILL_ACTIVATIONS must be one of {', '.join(ACTIVATION_PRECISIONS)}, got {env!r}")
+    return env
+
+
+def set_activation_precision(name: str) -> None:
+    """The integer kernels' activations from now on, in this process and the ones it starts: "int16" (the
+    default) or "int8" (needs the kernels: the torch paths compute in float)."""
+    if name not in ACTIVATION_PRECISIONS:
+        raise ValueError(f"activation precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, got {name!r}")
+    if name == "int8" and cpu_kernels() is None:
+        raise ValueError(f"--activation-precision int8 runs on tokenmill's CPU kernels, which are unavailable here "
+                         f"({unavailable_reason()}); leave it at int16")
+    os.environ["TOKENMILL_ACTIVATIONS"] = name
+    ops = cpu_kernels()
+    if ops is not None:
+        ops.activation_precision(name)
 
 
 def vnni_min_tokens_from_env() -> int | None:
@@ -201,6 +232,7 @@ def cpu_kernels():
 def _load_kernels():  # noqa: ANN202
     global _reason
     crossing = vnni_min_tokens_from_env()  # a bad value is the user's to fix, not a reason to go without kernels
+    activation_precision_from_env()
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS", "") not in ("", "0"):
         _reason = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
     elif platform.machine().lower() not in ("x86_64", "amd64"):

@@ -291,14 +291,19 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 # ---- the kernel's arithmetic, in torch --------------------------------------------------------
 
-def ref_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ref_quantize_activations(x: torch.Tensor, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x float32 [M, K] -> (q int16 [M, K], d [M, K/32], d * sum(q) [M, K/32]) exactly as the kernel
-    does: d = amax / 32767 per token and block of 32, q = round(x / d)."""
+    does: d = amax / 32767 per token and block of 32, q = round(x / d). ``int8`` (the kernels'
+    ``TOKENMILL_ACTIVATIONS=int8``): 127 steps, q8 = round(x / d8) with d8 = amax / 127, held as
+    q = 256 q8 and d = d8 / 256."""
     m, k = x.shape
     g = x.float().reshape(m, k // QK, QK)
-    d = g.abs().amax(-1) / 32767
+    steps = 127 if int8 else 32767
+    d = g.abs().amax(-1) / steps
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(g * inv[..., None]).clamp(-32767, 32767)  # round half to even, like the kernel
+    q = torch.round(g * inv[..., None]).clamp(-steps, steps)  # round half to even, like the kernel
+    if int8:
+        q, d = q * 256, d / 256
     return q.to(torch.int16).reshape(m, k), d, d * q.sum(-1)
 
 
@@ -315,15 +320,15 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where((err != 0) & even, torch.nextafter(s, toward), s).float()
 
 
-def ref_qlinear(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
-    """y = x W^T with int16 activations, exactly as ``torch.ops.tokenmill.qlinear`` computes it, bit for
+def ref_qlinear(x: torch.Tensor, w: QuantizedTensor, int8: bool = False) -> torch.Tensor:
+    """y = x W^T with int16 activations (int8 steps with ``int8``), exactly as ``torch.ops.tokenmill.qlinear`` computes it, bit for
     bit: per (token, row) eight float32 accumulators, lane j taking blocks j, j + 8, ... (the short last
     group padded with zeros), each block one FMA of its exact integer sum by d_w * d_x (q6_k: one per
     half, first then second), after the min term's FMA m_w * d_x * sum(q_x) where there is one; then the
     kernels' tree over the eight lanes."""
     n, k = w.shape
     lead = x.shape[:-1]
-    q, dx, sx = ref_quantize_activations(x.reshape(-1, k))
+    q, dx, sx = ref_quantize_activations(x.reshape(-1, k), int8)
     m, nb = q.shape[0], k // QK
     qw, dw, mw = decode_blocks(w.data, w.fmt, k)  # [N, nb, 32], [N, nb, S], [N, nb] or None
     halves = dw.shape[-1]

@@ -24,6 +24,8 @@
 // Activations are quantized per token and per block of 32 to int16 with one float scale (32767 steps:
 // the weights' rounding is then all the error there is), so every dot product runs on integer
 // multiply-adds (vpmaddwd on weights widened to int16) and is scaled once per block.
+// TOKENMILL_ACTIVATIONS=int8 (activation_precision("int8")) takes 127 steps per block instead, held in the
+// same int16 (256 q8): llama.cpp's precision, half the products in the panel formats; still batch invariant.
 //
 // Batch invariance: every op here computes a token's result from that token's inputs alone, in an
 // order that does not depend on how many tokens share the call, how they are tiled or how threads
@@ -98,10 +100,20 @@ int64_t vnni_min_tokens(int64_t n) {
   return g_vnni_min_tokens.load();
 }
 
+// The activations' precision: "" reports it, "int16" (the default) or "int8" selects it for the GEMMs that
+// follow (process-wide, like TOKENMILL_ACTIVATIONS; layers/kernels.py's set_activation_precision).
+std::string activation_precision(std::string name) {
+  if (name == "int8") g_int8_activations.store(true);
+  else if (name == "int16") g_int8_activations.store(false);
+  else TORCH_CHECK(name.empty(), "tokenmill::activation_precision: name must be '', 'int16' or 'int8', got '", name, "'");
+  return g_int8_activations.load() ? "int8" : "int16";
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("kernel_isa(str name) -> str", &kernel_isa);
+  m.def("activation_precision(str name) -> str", &activation_precision);
   m.def("vnni_min_tokens(int n) -> int", &vnni_min_tokens);
   m.def("qlinear(Tensor x, Tensor w, int n_out, int fmt) -> Tensor");
   m.def("flinear(Tensor x, Tensor w, int n_out, Tensor? bias=None) -> Tensor");

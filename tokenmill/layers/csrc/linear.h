@@ -28,6 +28,7 @@ void check_blocks(const at::Tensor& w, int64_t n_out, int64_t K, int64_t fmt, co
 // The quantized activations of one GEMM input: scratch that forward_layers reuses across its GEMMs.
 struct ActivationBuffers {
   at::Tensor q, d, s, h, l, s16;  // h, l, s16: their split for the panel formats (panels_x8.h)
+  bool int8 = false;              // q holds int8 steps (256 q8): l is all zeros
   void fit(int64_t M, int64_t K, int64_t ld, const at::TensorOptions& opt) {
     if (!q.defined() || q.numel() < M * K) {
       q = at::empty({M * K}, opt.dtype(at::kShort));
@@ -51,7 +52,7 @@ void gemm_of(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
              int64_t M, float* y, bool accumulate, ActivationBuffers& buf) {
   if constexpr (is_x8(F))
     gemm_x8<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate, buf.h.data_ptr<int8_t>(), buf.l.data_ptr<uint8_t>(),
-               buf.s16.data_ptr<int32_t>());
+               buf.s16.data_ptr<int32_t>(), buf.int8);
   else
     gemm<F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
 }
@@ -70,7 +71,8 @@ void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64
   int16_t* q = buf.q.data_ptr<int16_t>();
   float* d = buf.d.data_ptr<float>();
   float* s = buf.s.data_ptr<float>();
-  quantize_rows16(x.data_ptr<float>(), M, K, q, d, s, ld);
+  buf.int8 = g_int8_activations.load(std::memory_order_relaxed);
+  quantize_rows16(x.data_ptr<float>(), M, K, q, d, s, ld, buf.int8);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   kGemm[fmt](wp, n_out, K, q, d, s, ld, M, yp, accumulate, buf);  // fmt checked by the callers (check_blocks)
@@ -102,6 +104,7 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
   auto d = at::empty({M, nb}, x.options());
   auto s = at::empty({M, nb}, x.options());
   auto q = at::empty({M, K}, x.options().dtype(at::kShort));
-  quantize_rows16(xc.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), nb);
+  quantize_rows16(xc.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), nb,
+                  g_int8_activations.load(std::memory_order_relaxed));
   return {q, d, s};
 }

@@ -27,17 +27,18 @@
 // tree) are the row tiles' operations in their order: every (row, token) gets the row layout's bits, on
 // either instruction set and for any number of tokens.
 
-// int16 activations [n] -> h [n] int8, l [n] uint8 and, where s16 is given, the sums of each 16 (Q6_K's
-// offset of 32 per weight)
-inline void split_activations(const int16_t* q, int64_t n, int8_t* h, uint8_t* l, int32_t* s16) {
+// int16 activations [n] -> h [n] int8, l [n] uint8 (not written for int8 steps, where it is all zeros) and,
+// where s16 is given, the sums of each 16 (Q6_K's offset of 32 per weight)
+inline void split_activations(const int16_t* q, int64_t n, int8_t* h, uint8_t* l, int32_t* s16, bool int8) {
   const __m256i lo8 = _mm256_set1_epi16(0xFF);
   for (int64_t i = 0; i < n; i += 32) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i + 16));
     // packs interleaves 128-bit lanes; permute4x64 restores the order
     const __m256i hh = _mm256_packs_epi16(_mm256_srai_epi16(a, 8), _mm256_srai_epi16(b, 8));
-    const __m256i ll = _mm256_packus_epi16(_mm256_and_si256(a, lo8), _mm256_and_si256(b, lo8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + i), _mm256_permute4x64_epi64(hh, 0xD8));
+    if (int8) continue;
+    const __m256i ll = _mm256_packus_epi16(_mm256_and_si256(a, lo8), _mm256_and_si256(b, lo8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(l + i), _mm256_permute4x64_epi64(ll, 0xD8));
   }
   if (s16)
@@ -173,10 +174,13 @@ constexpr int64_t X8_WIDEN_MIN_TOKENS = 4;
 // scratch for the split activations: xh, xl [M * K], s16 [M * K / 16] (Q6_K only).
 template <int F>
 void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const float* xd, const float* xs, int64_t ld,
-             int64_t M, float* y, bool accumulate, int8_t* xh, uint8_t* xl, int32_t* s16) {
+             int64_t M, float* y, bool accumulate, int8_t* xh, uint8_t* xl, int32_t* s16, bool int8) {
   const bool vnni = g_use_vnni.load(std::memory_order_relaxed);
-  if (vnni && M >= X8_WIDEN_MIN_TOKENS) return gemm_vnni<x8_row_format(F), F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
-  split_activations(xq, M * K, xh, xl, F == Q6_K_X8 ? s16 : nullptr);
+  // int8 activations: the panels as they are run Q4_K and Q4_1 faster than the widened ones (1.1-2.0x, Q4_K 4-256
+  // tokens on a Zen 4 EPYC, 2 threads), Q6_K slower (0.7-0.9x from 16 tokens: its unpacking weighs more)
+  if (vnni && M >= X8_WIDEN_MIN_TOKENS && (!int8 || F == Q6_K_X8))
+    return gemm_vnni<x8_row_format(F), F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
+  split_activations(xq, M * K, xh, xl, F == Q6_K_X8 ? s16 : nullptr, int8);
   const int64_t nsb = K / 256, panel_bytes = nsb * x8_bytes(F);
   // tokens in chunks whose split activations stay in L2 while this thread's panels pass over them
   const int64_t chunk = std::max<int64_t>(4, (256 * 1024) / (2 * K));
@@ -189,12 +193,9 @@ void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
         const auto run = [&](auto rm) {
           constexpr int RM = decltype(rm)::value;
           const int64_t o = m * K;
-          if (vnni)
-            x8_panel_vnni<F, RM>(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld,
-                                 y + m * N + 8 * p, N, accumulate);
-          else
-            x8_panel_avx2<F, RM>(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld,
-                                 y + m * N + 8 * p, N, accumulate);
+          const auto panel = vnni ? (int8 ? x8_panel_vnni<F, RM, true> : x8_panel_vnni<F, RM, false>)
+                                  : (int8 ? x8_panel_avx2<F, RM, true> : x8_panel_avx2<F, RM, false>);
+          panel(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld, y + m * N + 8 * p, N, accumulate);
           m += RM;
         };
         while (m + 4 <= mc1) run(std::integral_constant<int, 4>{});
