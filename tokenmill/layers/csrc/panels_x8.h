@@ -169,6 +169,9 @@ TM_AVX512 void widen_x8(const uint8_t* P, int64_t panel_bytes, int64_t nsb, int 
 // widen_panel, so this is below its crossing): on a Zen 4 EPYC, 2 threads, Q4_K 16384x2048 and 2048x8192,
 // widened 0.7x at 2 tokens, 1.1x at 4, 1.2x at 8, 1.4-1.5x at 16; Q6_K 0.9x, 1.2-1.3x, 1.4-1.6x, 1.6-1.8x.
 constexpr int64_t X8_WIDEN_MIN_TOKENS = 4;
+// With int8 activations only Q6_K widens, from this many tokens: its panels as they are ran 1.2-1.6x the widened
+// ones at 4-6 tokens, 0.96-1.13x at 8, 0.88-1.01x at 12 (Q6_K 16384x2048 and 2048x8192, the machine above).
+constexpr int64_t X8_I8_WIDEN_MIN_TOKENS = 8;
 
 // y[M, N] (=, or += with accumulate) x . W^T, W in panels; xq/xd/xs as the row GEMM takes them, and
 // scratch for the split activations: xh, xl [M * K], s16 [M * K / 16] (Q6_K only).
@@ -177,8 +180,9 @@ void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
              int64_t M, float* y, bool accumulate, int8_t* xh, uint8_t* xl, int32_t* s16, bool int8) {
   const bool vnni = g_use_vnni.load(std::memory_order_relaxed);
   // int8 activations: the panels as they are run Q4_K and Q4_1 faster than the widened ones (1.1-2.0x, Q4_K 4-256
-  // tokens on a Zen 4 EPYC, 2 threads), Q6_K slower (0.7-0.9x from 16 tokens: its unpacking weighs more)
-  if (vnni && M >= X8_WIDEN_MIN_TOKENS && (!int8 || F == Q6_K_X8))
+  // tokens on a Zen 4 EPYC, 2 threads), Q6_K only below X8_I8_WIDEN_MIN_TOKENS (0.7-0.9x from 16 tokens: its
+  // unpacking weighs more)
+  if (vnni && (int8 ? F == Q6_K_X8 && M >= X8_I8_WIDEN_MIN_TOKENS : M >= X8_WIDEN_MIN_TOKENS))
     return gemm_vnni<x8_row_format(F), F>(W, N, K, xq, xd, xs, ld, M, y, accumulate);
   split_activations(xq, M * K, xh, xl, F == Q6_K_X8 ? s16 : nullptr, int8);
   const int64_t nsb = K / 256, panel_bytes = nsb * x8_bytes(F);
@@ -198,8 +202,13 @@ void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
           panel(P, nsb, xh + o, xl + o, s16 + o / 16, K, xd + m * ld, xs + m * ld, ld, y + m * N + 8 * p, N, accumulate);
           m += RM;
         };
+        // tiles of 4 tokens, the rest as one tile; 5 as one (a step verifying 1-4 speculative tokens reads and
+        // unpacks each panel once)
+        if (mc1 - m == 5) run(std::integral_constant<int, 5>{});
         while (m + 4 <= mc1) run(std::integral_constant<int, 4>{});
-        while (m < mc1) run(std::integral_constant<int, 1>{});
+        if (mc1 - m == 3) run(std::integral_constant<int, 3>{});
+        else if (mc1 - m == 2) run(std::integral_constant<int, 2>{});
+        else if (mc1 - m == 1) run(std::integral_constant<int, 1>{});
       }
     }
   };
