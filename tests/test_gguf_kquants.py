@@ -156,6 +156,7 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind, precision):
 def test_panels_hold_the_rows_byte_for_byte(kind):
     """Panels of 8 rows are the row blocks reordered: back to rows exactly; a layer keeps them where its rows
     are a multiple of 8, and its weight, the embedding looked up from it and its output are the row layout's."""
+    from tokenmill.layers.kernels import cpu_kernels
     from tokenmill.layers.panels import to_panels
 
     qt = _native(kind, 40, 768, seed=3)
@@ -168,6 +169,10 @@ def test_panels_hold_the_rows_byte_for_byte(kind):
     assert torch.equal(lin.weight.data, qt.data)
     ids = torch.tensor([[0, 7, 8, 39], [15, 16, 33, 8]])
     assert torch.equal(QuantizedEmbedding(lin)(ids), qt.dequantize()[ids])
+    ops, fid = cpu_kernels(), FORMAT_IDS[PANEL_FORMATS[qt.fmt]]  # the rows the embedding takes out of panels
+    assert torch.equal(ops.panel_rows(panels, fid, 768, torch.arange(40).flip(0)), qt.data.flip(0))
+    with pytest.raises(RuntimeError, match=r"row 40 outside \[0, 40\)"):
+        ops.panel_rows(panels, fid, 768, torch.tensor([3, 40]))
     x = torch.randn(3, 768)
     assert torch.equal(lin(x), ref_qlinear(x, qt))
     # a matrix of over a MiB: its GEMV takes chunks of panels in turn across threads (gemm_x8), the same bits

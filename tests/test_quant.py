@@ -190,6 +190,8 @@ def test_q4_1_in_panels_gives_the_row_layouts_bits():
     layer = QuantizedLinear(qw)
     assert layer.kernel_fmt == "q4_1_x8" and torch.equal(layer.weight.data, qw.data)
     assert torch.equal(layer.qweight, to_panels(qw.data, "q4_1", (n, k)))  # the kernels' repacking is the reference's
+    ids = torch.tensor([39, 0, 8, 17])  # and the rows an embedding looks up, out of the panels
+    assert torch.equal(cpu_kernels().panel_rows(layer.qweight, FORMAT_IDS["q4_1_x8"], k, ids), qw.data[ids])
     assert QuantizedLinear(QUANTIZERS["int4"](torch.randn(n, 608))).kernel_fmt == "q4_1"  # K not of 256: rows
     x = torch.randn(24, k) * 2
     ops = cpu_kernels()

@@ -419,9 +419,8 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         shape, ids = ids.shape, ids.reshape(-1)
-        if self._head.kernel_fmt in ROW_FORMATS:  # panels of 8 rows: each id's panel, then its row of it
-            rows = from_panels(self.qweight.index_select(0, ids // 8), self.fmt, self.embedding_dim)
-            rows = rows.view(ids.numel(), 8, -1)[torch.arange(ids.numel()), ids % 8]
+        if self._head.kernel_fmt in ROW_FORMATS:  # panels of 8 rows (only where the kernels load): each id's row
+            rows = _ops().panel_rows(self.qweight, FORMAT_IDS[self._head.kernel_fmt], self.embedding_dim, ids)
         else:
             rows = QuantizedTensor.from_kernel_layout(self.qweight.index_select(0, ids), self.fmt,
                                                       (ids.numel(), self.embedding_dim)).data

@@ -132,6 +132,7 @@ TORCH_LIBRARY(tokenmill, m) {
         "int n_kv_heads, int head_dim, float eps, float scale) -> Tensor");
   m.def("mlp_half(Tensor x, Tensor[] weights, int[] fmts, float eps) -> Tensor");
   m.def("to_panels(Tensor data, int fmt, int n, int k) -> Tensor");
+  m.def("panel_rows(Tensor panels, int fmt, int k, Tensor ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -146,4 +147,5 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("attention_half", &attention_half);
   m.impl("mlp_half", &mlp_half);
   m.impl("to_panels", &to_panels);
+  m.impl("panel_rows", &panel_rows);
 }

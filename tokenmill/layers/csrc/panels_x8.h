@@ -301,3 +301,62 @@ at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) 
   });
   return out;
 }
+
+// ---- out of panels: rows ids of a matrix in panels, in the file's row blocks ---------------------------------
+// to_panels' inverse for those rows only (layers/panels.py's from_panels is the reference): the embedding looked
+// up from a tied head's panels, a row a token, without reordering whole panels.
+at::Tensor panel_rows(const at::Tensor& panels, int64_t fmt, int64_t k, const at::Tensor& ids) {
+  TORCH_CHECK(is_x8(fmt) && k % 256 == 0, "tokenmill::panel_rows: fmt must be a panel format (6, 7 or 8) and "
+              "in_features a multiple of 256, got ", fmt, " and ", k);
+  const int64_t per = fmt == Q4_K_X8 ? 144 : fmt == Q6_K_X8 ? 210 : 160, nsb = k / 256, sb_bytes = x8_bytes(fmt);
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+              panels.dim() == 2 && panels.size(1) == nsb * sb_bytes, "tokenmill::panel_rows: panels must be contiguous "
+              "uint8 [rows / 8, ", nsb * sb_bytes, "]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "tokenmill::panel_rows: ids must be int64 [n]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.numel(), rows = 8 * panels.size(0);
+  at::Tensor out = at::zeros({n, nsb * per}, panels.options());
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "tokenmill::panel_rows: row ", id[i], " outside [0, ", rows, ")");
+  const uint8_t* src = panels.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = id[i] / 8, r = id[i] % 8;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* S = src + (p * nsb + sb) * sb_bytes;
+      uint8_t* R = dst + (i * nsb + sb) * per;
+      if (fmt == Q4_K_X8) {
+        std::memcpy(R, S + 2 * r, 2);
+        std::memcpy(R + 2, S + 16 + 2 * r, 2);
+        for (int b = 0; b < 12; ++b) R[4 + b] = S[32 + 8 * b + r];
+        for (int w = 0; w < 32; ++w) std::memcpy(R + 16 + 4 * w, S + 128 + 32 * w + 4 * r, 4);
+      } else if (fmt == Q6_K_X8) {
+        std::memcpy(R + 208, S + 2 * r, 2);
+        for (int h = 0; h < 16; ++h) R[192 + h] = S[16 + 8 * h + r];
+        for (int q = 0; q < 2; ++q)  // ql bytes 64 q + j (low nibbles in panel pair 2 q, high in 2 q + 1)
+          for (int j = 0; j < 32; ++j) {
+            const uint8_t lo = S[144 + 512 * q + 32 * (j / 4) + 4 * r + j % 4];
+            const uint8_t hi = S[144 + 512 * q + 256 + 32 * (j / 4) + 4 * r + j % 4];
+            R[64 * q + j] = static_cast<uint8_t>((lo & 0x0F) | (hi << 4));
+            R[64 * q + 32 + j] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
+          }
+        for (int w = 0; w < 16; ++w) std::memcpy(R + 128 + 4 * w, S + 1168 + 32 * w + 4 * r, 4);
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          std::memcpy(R + 20 * j, S + 16 * j + 2 * r, 2);
+          std::memcpy(R + 20 * j + 2, S + 128 + 16 * j + 2 * r, 2);
+        }
+        for (int q = 0; q < 4; ++q)  // weight w of blocks 2 q (low nibble) and 2 q + 1 (high)
+          for (int w = 0; w < 32; ++w) {
+            const uint8_t b = S[256 + 256 * q + 32 * (w / 4) + 4 * r + w % 4];
+            for (int e = 0; e < 2; ++e) {
+              const uint8_t v = e ? b >> 4 : b & 0x0F;
+              R[20 * (2 * q + e) + 4 + (w & 15)] |= static_cast<uint8_t>(w < 16 ? v : v << 4);
+            }
+          }
+      }
+    }
+  }
+  return out;
+}
