@@ -17,8 +17,8 @@ import tiny_models as tm
 from helpers import PRECISIONS, activations, needs_kernels, prefill_logits
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.panels import PANEL_FORMATS
-from tokenmill.layers.quant import (FORMAT_IDS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, common_format,
-                                    dequantize_rows, q4_k_to_q5_k, q5_0_to_q8_0, ref_qlinear, to_format)
+from tokenmill.layers.quant import (FORMAT_IDS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, StackedLinear,
+                                    common_format, dequantize_rows, q4_k_to_q5_k, q5_0_to_q8_0, ref_qlinear, to_format)
 
 T = gguf.GGMLQuantizationType
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -270,17 +270,18 @@ def test_the_vnni_crossing_is_timed_or_set(monkeypatch):
 # ---- tiny random models, every type, against transformers -------------------------------------------
 
 
-def _kquant_model(tmp_path, kind: str, seed: int = 3):
+def _kquant_model(tmp_path, kind: str, seed: int = 3, v_kind: str | None = None):
     """A tiny Llama whose decoder weights are ``kind`` blocks (random ones for the K types, gguf-py's
-    quantization for Q5_0/Q5_1; the embedding F32), as a GGUF file, and the transformers model holding
-    exactly the values the file does."""
+    quantization for Q5_0/Q5_1; the embedding F32; v_proj ``v_kind`` where given), as a GGUF file, and the
+    transformers model holding exactly the values the file does."""
     model = tm.random_hf_model("llama", seed=seed, **WIDE)
-    cfg = model.config
+    cfg, base = model.config, kind
     tensors = tm.hf_to_gguf_tensors(model, None, permute=True)  # norms and embedding as they are
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if not name.startswith("model.layers.") or p.dim() != 2:
                 continue
+            kind = v_kind if v_kind and name.endswith("v_proj.weight") else base
             if kind in K_TYPES:
                 blocks = kquants.random_blocks(kind, *p.shape, seed=seed + i, scale=BLOCK_SCALE[kind])
             else:
@@ -291,7 +292,7 @@ def _kquant_model(tmp_path, kind: str, seed: int = 3):
             elif name.endswith("k_proj.weight"):
                 blocks = tm.llama_cpp_permute(blocks, cfg.num_key_value_heads)
             tensors[tm.gguf_name(name)] = (blocks, getattr(T, kind))
-    return model, tm.write_gguf(tmp_path / f"{kind}.gguf", tensors, metadata=tm.llama_metadata(cfg))
+    return model, tm.write_gguf(tmp_path / f"{base}.gguf", tensors, metadata=tm.llama_metadata(cfg))
 
 
 @pytest.mark.parametrize("kind", [*K_TYPES, "Q5_0", "Q5_1"])
@@ -312,6 +313,32 @@ def test_tiny_model_in_each_type_matches_transformers(kind, tmp_path):
     assert down.fmt == NATIVE.get(kind, "q8_0")  # Q5_1, Q2_K, Q3_K dequantized and requantized to Q8_0
     got = prefill_logits(auto.engine, ids)
     rel = ((got - ours).norm(dim=-1) / ours.norm(dim=-1)).max().item()
+    assert rel < 0.02, rel  # mostly the float (F32) tied head, which this mode quantizes to Q8_0
+
+
+def test_a_fused_layer_in_two_formats_runs_each_part_on_its_own_blocks(tmp_path):
+    """llama.cpp's Q4_K_M gives v_proj Q6_K beside Q4_K q and k, and no one format holds both exactly: q|k run on
+    their Q4_K blocks and v on its Q6_K ones, side by side (StackedLinear), with the file's bytes; the fused
+    kernels (forward_layers, attention_half's w[4]) give the op-by-op bits; against transformers as above."""
+    model, path = _kquant_model(tmp_path, "Q4_K", v_kind="Q6_K")
+    ids = list(range(5, 45))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    if llm.engine.quantization != "gguf":  # no integer kernels here
+        pytest.skip("the CPU kernels are unavailable")
+    net = llm.engine.runner.model
+    qkv = net.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear) and [p.fmt for p in qkv.parts] == ["q4_k", "q6_k"]
+    file_bytes = {t.name: int(t.n_bytes) for t in gguf_loader_open(path).tensors}
+    assert qkv.parts[1].qweight.numel() == file_bytes["blk.0.attn_v.weight"]
+    assert net.layers[0].fused_halves()[0] is not None
+    fused = prefill_logits(llm.engine, ids)
+    net.set_layer_fusion(False)
+    try:
+        assert torch.equal(prefill_logits(llm.engine, ids), fused)
+    finally:
+        net.set_layer_fusion(True)
+    ref = tm.hf_logits(model, ids)
+    rel = ((fused - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert rel < 0.02, rel  # mostly the float (F32) tied head, which this mode quantizes to Q8_0
 
 

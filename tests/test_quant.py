@@ -278,7 +278,8 @@ def test_gguf_mode_keeps_the_files_blocks(gguf_path):
 
 def test_only_weights_whose_blocks_are_kept_skip_dequantization():
     """The loader leaves undequantized exactly the float weights quantize_model will not read: a fused
-    layer's parts count only when all are kept in one format, and the embedding is always read."""
+    layer's parts count only when all are kept (in one format or side by side), and the embedding is always
+    read."""
     from tokenmill.models.quantize import kept_weight_names
 
     def q(fmt, n=32, k=64):
@@ -287,10 +288,11 @@ def test_only_weights_whose_blocks_are_kept_skip_dequantization():
     assert q("q4_1").fmt == "q4_1"
     names = {f"model.layers.{i}.{m}.weight" for i in range(2)
              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")}
-    raw = {n: q("q4_1") for n in names} | {"model.layers.1.self_attn.v_proj.weight": q("q8_0"),
+    raw = {n: q("q4_1") for n in names} | {"model.layers.0.self_attn.v_proj.weight": q("q8_0"),
                                            "model.embed_tokens.weight": q("q8_0")}
+    del raw["model.layers.1.self_attn.k_proj.weight"]  # a part in a format not kept (Q5_1, say)
     kept = kept_weight_names(raw, num_layers=2)
-    assert {n for n in names if "layers.0" in n} <= kept  # layer 0's q/k/v all Q4_1, o_proj alone
+    assert {n for n in names if "layers.0" in n} <= kept  # layer 0's q/k Q4_1 beside a Q8_0 v, o_proj alone
     assert "model.layers.1.self_attn.o_proj.weight" in kept
     assert not any("layers.1.self_attn." + p in n for n in kept for p in ("q_proj", "k_proj", "v_proj"))
     assert "model.embed_tokens.weight" not in kept

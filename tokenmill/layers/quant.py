@@ -396,6 +396,27 @@ class QuantizedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt}"
 
 
+class StackedLinear(torch.nn.Module):
+    """A fused layer (q/k/v) whose parts a file holds in formats no one format holds exactly (llama.cpp's
+    Q4_K_M: Q4_K q and k, Q6_K v in some layers): each group of parts a QuantizedLinear on its own blocks, the
+    outputs side by side, then the bias. Each part's output is its own layer's bits (the activations are
+    quantized per token alone), so this is the fused kernels' arithmetic too (attention_half's w[4])."""
+
+    def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(QuantizedLinear(p) for p in parts)
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], -1)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"formats={', '.join(p.fmt for p in self.parts)}"
+
+
 class QuantizedEmbedding(torch.nn.Module):
     """Token embedding lookups from a tied output head's own blocks (a GGUF file's Q8_0 embedding, say):
     only the looked-up rows are dequantized, so the model holds no float copy of the matrix (113 MB for

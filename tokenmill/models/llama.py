@@ -207,22 +207,32 @@ class DecoderLayer(nn.Module):
         """(attention, MLP): each half's (weights, kernel formats) for the fused kernels, or None where the
         half runs op by op (no kernels, fusion off, a family's extras, float weights)."""
         if self._halves is None:
-            from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear
+            from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear, StackedLinear
 
-            def args(norm, lins, extra=()):  # (only q/k/v may have a bias: the kernel takes it as extra)
-                if not all(isinstance(lin, QuantizedLinear) for lin in lins) or any(
-                        lin.bias is not None for lin in lins[len(extra):]):
+            def quantized(*lins) -> bool:  # (only q/k/v may have a bias: the kernel adds it)
+                return all(isinstance(lin, QuantizedLinear) and lin.bias is None for lin in lins)
+
+            def attention():  # norm, qkv (or q|k), bias, o_proj, v (or empty); formats of qkv, o_proj, v
+                qkv, o = a.qkv_proj, a.o_proj
+                bias = qkv.bias if qkv.bias is not None else torch.empty(0)
+                if isinstance(qkv, QuantizedLinear) and quantized(o):
+                    parts = [qkv]
+                elif isinstance(qkv, StackedLinear) and len(qkv.parts) == 2 and quantized(*qkv.parts, o):
+                    parts = list(qkv.parts)
+                else:
                     return None
-                qw = [lin.qweight for lin in lins]
-                return [norm.weight, qw[0], *extra, *qw[1:]], [FORMAT_IDS[lin.kernel_fmt] for lin in lins]
+                v = [parts[1].qweight, FORMAT_IDS[parts[1].kernel_fmt]] if len(parts) == 2 else [torch.empty(0), 0]
+                return ([self.input_layernorm.weight, parts[0].qweight, bias, o.qweight, v[0]],
+                        [FORMAT_IDS[parts[0].kernel_fmt], FORMAT_IDS[o.kernel_fmt], v[1]])
+
+            def mlp():
+                lins = (m.gate_up_proj, m.down_proj)
+                return ([self.post_attention_layernorm.weight, *(lin.qweight for lin in lins)],
+                        [FORMAT_IDS[lin.kernel_fmt] for lin in lins]) if quantized(*lins) else None
 
             a, m = self.self_attn, self.mlp
             on = self.ops is not None and self.fuse
-            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.empty(0)
-            self._halves = (args(self.input_layernorm, (a.qkv_proj, a.o_proj), (bias,))
-                            if on and self._plain[0] else None,
-                            args(self.post_attention_layernorm, (m.gate_up_proj, m.down_proj))
-                            if on and self._plain[1] else None)
+            self._halves = (attention() if on and self._plain[0] else None, mlp() if on and self._plain[1] else None)
         return self._halves
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.layers.panel_linear import PanelLinear
-from tokenmill.layers.quant import (QUANTIZATIONS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, cat_rows,
-                                    common_format, quantize_weight, to_format)
+from tokenmill.layers.quant import (QUANTIZATIONS, QuantizedEmbedding, QuantizedLinear, QuantizedTensor, StackedLinear,
+                                    cat_rows, common_format, quantize_weight, to_format)
 
 logger = logging.getLogger("tokenmill")
 
@@ -45,9 +45,27 @@ def _paths(layer) -> dict[str, tuple[str, ...]]:
 
 
 def _keeps(parts: list[QuantizedTensor | None]) -> bool:
-    """Whether gguf mode uses the file's own blocks for a (fused) layer: all parts kept, in one format or in
-    formats one of them holds exactly (a Q5_0 q/k with a Q8_0 v runs all as Q8_0)."""
-    return all(p is not None for p in parts) and common_format(p.fmt for p in parts) is not None
+    """Whether gguf mode uses the file's own blocks for a (fused) layer: all parts kept (in one format, in
+    formats one of them holds exactly -- a Q5_0 q/k with a Q8_0 v runs all as Q8_0 -- or, where none does,
+    as groups side by side: _groups)."""
+    return all(p is not None for p in parts)
+
+
+def _groups(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Consecutive parts merged while one of their formats holds them all exactly: [q, k, v] in Q4_K, Q4_K,
+    Q6_K -> [q|k in Q4_K, v in Q6_K]."""
+    groups = [[parts[0]]]
+    for p in parts[1:]:
+        if common_format(q.fmt for q in [*groups[-1], p]) is not None:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    out = []
+    for g in groups:
+        fmt = common_format(p.fmt for p in g)
+        g = [to_format(p, fmt) for p in g]
+        out.append(cat_rows(g) if len(g) > 1 else g[0])
+    return out
 
 
 def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bool = False) -> set[str]:
@@ -67,13 +85,16 @@ def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bo
     return names
 
 
-def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None], mode: str) -> tuple[QuantizedTensor, bool]:
-    """(the weight to use, whether it is the file's own blocks)."""
+def _pick(float_w: torch.Tensor, parts: list[QuantizedTensor | None],
+          mode: str) -> tuple[list[QuantizedTensor], bool]:
+    """(the weight to use, as groups of rows in one format each; whether it is the file's own blocks)."""
     if mode == "gguf" and _keeps(parts):
-        fmt = common_format(p.fmt for p in parts)
-        parts = [to_format(p, fmt) for p in parts]
-        return (cat_rows(parts) if len(parts) > 1 else parts[0]), True
-    return quantize_weight(float_w, mode), False
+        return _groups(parts), True
+    return [quantize_weight(float_w, mode)], False
+
+
+def _layer(groups: list[QuantizedTensor], bias: torch.Tensor | None) -> QuantizedLinear | StackedLinear:
+    return QuantizedLinear(groups[0], bias) if len(groups) == 1 else StackedLinear(groups, bias)
 
 
 def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None,
@@ -102,13 +123,13 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
             parts = [raw.get(n) for n in _part_names(raw, i, path, sources)]
             qw, kept = _pick(lin.weight.data, parts, mode)
             requantized += mode == "gguf" and not kept
-            setattr(owner, attr, QuantizedLinear(qw, lin.bias))
+            setattr(owner, attr, _layer(qw, lin.bias))
         after_layer()
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     qw, kept = _pick(head.data, [raw.get(head_name)], mode)
     requantized += mode == "gguf" and not kept
-    model.head = QuantizedLinear(qw)
+    model.head = QuantizedLinear(qw[0])
     if kept and model.lm_head is None:  # the tied embedding is the head's own blocks: look rows up there
         model.embed_tokens = QuantizedEmbedding(model.head)
     if requantized:

@@ -7,8 +7,8 @@
 // costs more than their arithmetic. This runs all layers of a float32-cache step (decodes, prefill
 // chunks, or both) with the kernels above, called directly, in the order of the Python path
 // (models/llama.py with fused ops on), so the two give the same bits.
-// weights: 7 per layer: input norm, qkv (kernel layout), qkv bias (empty: none), o_proj,
-// post-attention norm, gate_up, down_proj; fmts: 4 per layer (qkv, o_proj, gate_up, down_proj).
+// weights: 8 per layer: input norm, qkv (kernel layout), qkv bias (empty: none), o_proj, v (empty: v is in
+// qkv), post-attention norm, gate_up, down_proj; fmts: 5 per layer (qkv, o_proj, v, gate_up, down_proj).
 int64_t rows_of(const at::Tensor& w, int64_t K, int64_t fmt) {
   check_format(K, fmt, "forward_layers");
   return is_x8(fmt) ? w.numel() / matrix_bytes(fmt, 8, K / QK) * 8 : w.numel() / row_bytes_of(fmt, K / QK);
@@ -19,7 +19,9 @@ int64_t rows_of(const at::Tensor& w, int64_t K, int64_t fmt) {
 // mlp_half) with the all-reduce of each half's row-parallel output between them.
 //
 // attention half: out (+)= o_proj(attention(rope(qkv(rms_norm(x))))), the new tokens' K and V into their
-// cache slots. w: norm, qkv, qkv bias (empty: none), o_proj; f: the two projections' formats.
+// cache slots. w: norm, qkv, qkv bias (empty: none), o_proj, v; f: the formats of qkv, o_proj and v. Where a
+// file holds q/k and v in formats no one format holds exactly (llama.cpp's Q4_K_M: Q4_K q/k, Q6_K v), w[1] is
+// q and k and w[4] v, each on its own blocks, side by side; else w[4] is empty.
 // mlp half: out (+)= down(silu(gate) * up(rms_norm(x))). w: norm, gate_up, down; f: their formats.
 // accumulate: out is the residual stream (x itself), added to in place; else out is written.
 struct LayerArgs {
@@ -61,6 +63,7 @@ void attention_half_into(const at::Tensor& x, const at::Tensor* w, const int64_t
   const int64_t* slots = a.slot_mapping.data_ptr<int64_t>();
   at::Tensor h = rms_norm(x, w[0], a.eps);
   at::Tensor qkv = project_new(h, w[1], f[0], buf, what);
+  if (w[4].numel() > 0) qkv = at::cat({qkv, project_new(h, w[4], f[2], buf, what)}, 1);
   if (w[2].numel() > 0) qkv = qkv + w[2];
   TORCH_CHECK(qkv.size(1) == (H + 2 * HKV) * D, "tokenmill::", what, ": qkv width does not match the heads");
   rope_(qkv, a.cos, a.sin, H + HKV, D);
@@ -93,30 +96,30 @@ at::Tensor forward_layers(const at::Tensor& x_in, at::TensorList weights, at::In
                           double scale) {
   check_f32_rows(x_in, "forward_layers");
   const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * L && static_cast<int64_t>(fmts.size()) == 4 * L &&
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * L && static_cast<int64_t>(fmts.size()) == 5 * L &&
                   static_cast<int64_t>(v_caches.size()) == L,
-              "tokenmill::forward_layers: need 7 weights, 4 formats and a K and V cache per layer");
+              "tokenmill::forward_layers: need 8 weights, 5 formats and a K and V cache per layer");
   const LayerArgs args{cos, sin, slot_mapping, block_tables, seq_of, ctx_lens, n_heads, n_kv_heads, head_dim, eps, scale};
   at::Tensor x = x_in.clone();  // the residual stream, updated in place by the o_proj and down_proj GEMMs
   ActivationBuffers buf;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 7 * l;
-    const int64_t* f = fmts.data() + 4 * l;
+    const at::Tensor* w = weights.data() + 8 * l;
+    const int64_t* f = fmts.data() + 5 * l;
     attention_half_into(x, w, f, k_caches[l], v_caches[l], args, x, true, buf, "forward_layers");
-    mlp_half_into(x, w + 4, f + 2, eps, x, true, buf, "forward_layers");
+    mlp_half_into(x, w + 5, f + 3, eps, x, true, buf, "forward_layers");
   }
   return x;
 }
 
 // One layer's attention half alone: its o_proj output [T, hidden] (a tensor-parallel rank's partial sum),
-// not added to x. weights: norm, qkv, qkv bias (empty: none), o_proj; fmts: qkv's and o_proj's.
+// not added to x. weights: norm, qkv, qkv bias (empty: none), o_proj, v (empty: in qkv); fmts: qkv's, o_proj's, v's.
 at::Tensor attention_half(const at::Tensor& x, at::TensorList weights, at::IntArrayRef fmts, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_of,
                           const at::Tensor& ctx_lens, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps,
                           double scale) {
   check_f32_rows(x, "attention_half");
-  TORCH_CHECK(weights.size() == 4 && fmts.size() == 2, "tokenmill::attention_half: need 4 weights and 2 formats");
+  TORCH_CHECK(weights.size() == 5 && fmts.size() == 3, "tokenmill::attention_half: need 5 weights and 3 formats");
   const LayerArgs args{cos, sin, slot_mapping, block_tables, seq_of, ctx_lens, n_heads, n_kv_heads, head_dim, eps, scale};
   thread_local ActivationBuffers buf;  // (reused across layers, as forward_layers does)
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
