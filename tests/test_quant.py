@@ -28,7 +28,7 @@ def test_activation_precision_is_checked_where_it_is_given(monkeypatch):
     from tokenmill.cli import build_parser
     from tokenmill.config import EngineConfig
     from tokenmill.engine.arg_utils import engine_kwargs
-    from tokenmill.layers.kernels import activation_precision_from_env, set_activation_precision
+    from tokenmill.layers.kernels import activation_precision_from_env, apply_activation_precision, set_activation_precision
 
     with pytest.raises(ValueError, match="int16 or int8"):
         EngineConfig(activation_precision="int4")
@@ -39,6 +39,9 @@ def test_activation_precision_is_checked_where_it_is_given(monkeypatch):
         activation_precision_from_env()
     monkeypatch.delenv("TOKENMILL_ACTIVATIONS")
     assert activation_precision_from_env() == "int16"
+    with pytest.raises(ValueError, match="applies to tokenmill's CPU kernels; on cuda:0 leave it at int16"):
+        apply_activation_precision("int8", torch.device("cuda:0"))  # refused before anything touches the GPU
+    assert apply_activation_precision(None, torch.device("cuda:0")) == "int16"
     a = build_parser().parse_args(["generate", "hi", "--activation-precision", "int8"])
     assert engine_kwargs(a)["activation_precision"] == "int8"
     assert engine_kwargs(build_parser().parse_args(["generate", "hi"]))["activation_precision"] is None

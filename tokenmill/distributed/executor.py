@@ -327,7 +327,7 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
 def _serve(config: EngineConfig, group: TPGroup) -> None:
     """Load this rank's shard, allocate its KV shard, run the driver's forward passes until Stop."""
     from tokenmill.core.scheduler import ScheduledRequest
-    from tokenmill.layers.kernels import activation_precision_from_env, cpu_kernels, set_activation_precision
+    from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels
     from tokenmill.models.loader import load_model
     from tokenmill.models.registry import resolve_model
     from tokenmill.platform import resolve_dtype
@@ -336,8 +336,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     torch.manual_seed(config.seed)
     device = group.device
     dtype = resolve_dtype(config.dtype, device, cpu_kernels=device.type == "cpu" and cpu_kernels() is not None)
-    if device.type == "cpu":  # the driver checked it (engine/core.py)
-        set_activation_precision(config.activation_precision or activation_precision_from_env())
+    apply_activation_precision(config.activation_precision, device)  # as the driver did (engine/core.py)
     loaded = load_model(resolve_model(config.model), dtype, device, config.max_model_len,
                         quantization=config.quantization, tp=group)
     num_blocks = int(group.broadcast_bytes(None))

@@ -19,7 +19,7 @@ from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
-from tokenmill.layers.kernels import activation_precision_from_env, cpu_kernels, set_activation_precision  # noqa: E402
+from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.registry import resolve_model  # noqa: E402
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
@@ -47,19 +47,6 @@ def _device_uuid(device: torch.device) -> str | None:
         return None
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
     return None if uuid is None else f"GPU-{uuid}"
-
-
-def _activation_precision(config: EngineConfig, device: torch.device) -> str:
-    """--activation-precision (else TOKENMILL_ACTIVATIONS, else int16), set for this process's CPU kernels; int8
-    only where they run."""
-    name = config.activation_precision or activation_precision_from_env()
-    if device.type != "cpu":
-        if name != "int16":
-            raise ValueError(f"--activation-precision {name} applies to tokenmill's CPU kernels; on {device} "
-                             "leave it at int16")
-        return name
-    set_activation_precision(name)
-    return name
 
 
 class InjectedFault(RuntimeError):
@@ -121,7 +108,7 @@ class EngineCore:
         # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
-        self.activation_precision = _activation_precision(config, self.device)
+        self.activation_precision = apply_activation_precision(config.activation_precision, self.device)
         phase("kernels")
         tp = None
         if config.parallel.world_size > 1:

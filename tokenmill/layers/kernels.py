@@ -119,13 +119,25 @@ def set_activation_precision(name: str) -> None:
     default) or "int8" (needs the kernels: the torch paths compute in float)."""
     if name not in ACTIVATION_PRECISIONS:
         raise ValueError(f"activation precision must be one of {', '.join(ACTIVATION_PRECISIONS)}, got {name!r}")
-    if name == "int8" and cpu_kernels() is None:
+    ops = cpu_kernels()
+    if name == "int8" and ops is None:
         raise ValueError(f"--activation-precision int8 runs on tokenmill's CPU kernels, which are unavailable here "
                          f"({unavailable_reason()}); leave it at int16")
     os.environ["TOKENMILL_ACTIVATIONS"] = name
-    ops = cpu_kernels()
     if ops is not None:
         ops.activation_precision(name)
+
+
+def apply_activation_precision(name: str | None, device: torch.device) -> str:
+    """An engine's --activation-precision (None: TOKENMILL_ACTIVATIONS, else int16), set for this process's
+    kernels where it runs on the CPU; int8 elsewhere is refused. Returns the precision in effect."""
+    name = name or activation_precision_from_env()
+    if device.type == "cpu":
+        set_activation_precision(name)
+    elif name != "int16":
+        raise ValueError(f"--activation-precision {name} applies to tokenmill's CPU kernels; on {device} leave it "
+                         "at int16")
+    return name
 
 
 def vnni_min_tokens_from_env() -> int | None:

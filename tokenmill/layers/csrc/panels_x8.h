@@ -240,7 +240,7 @@ at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) 
   TORCH_CHECK(is_x8(fmt), "tokenmill::to_panels: fmt must be a panel format (6, 7 or 8), got ", fmt);
   TORCH_CHECK(n % 8 == 0 && k % 256 == 0, "tokenmill::to_panels: needs rows a multiple of 8 and in_features of 256, "
               "got [", n, ", ", k, "]");
-  const int64_t per = fmt == Q4_K_X8 ? 144 : fmt == Q6_K_X8 ? 210 : 160;  // a row's bytes per 256 weights
+  const int64_t per = row_bytes_of(x8_row_format(fmt), 8);  // a row's bytes per 256 weights
   const int64_t nsb = k / 256, row_bytes = nsb * per, sb_bytes = x8_bytes(fmt);
   TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.is_contiguous() &&
               data.numel() == n * row_bytes, "tokenmill::to_panels: data must be contiguous uint8 [", n, ", ",
@@ -308,7 +308,7 @@ at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) 
 at::Tensor panel_rows(const at::Tensor& panels, int64_t fmt, int64_t k, const at::Tensor& ids) {
   TORCH_CHECK(is_x8(fmt) && k % 256 == 0, "tokenmill::panel_rows: fmt must be a panel format (6, 7 or 8) and "
               "in_features a multiple of 256, got ", fmt, " and ", k);
-  const int64_t per = fmt == Q4_K_X8 ? 144 : fmt == Q6_K_X8 ? 210 : 160, nsb = k / 256, sb_bytes = x8_bytes(fmt);
+  const int64_t per = row_bytes_of(x8_row_format(fmt), 8), nsb = k / 256, sb_bytes = x8_bytes(fmt);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
               panels.dim() == 2 && panels.size(1) == nsb * sb_bytes, "tokenmill::panel_rows: panels must be contiguous "
               "uint8 [rows / 8, ", nsb * sb_bytes, "]");
