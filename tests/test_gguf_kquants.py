@@ -270,18 +270,20 @@ def test_the_vnni_crossing_is_timed_or_set(monkeypatch):
 # ---- tiny random models, every type, against transformers -------------------------------------------
 
 
-def _kquant_model(tmp_path, kind: str, seed: int = 3, v_kind: str | None = None):
+def _kquant_model(tmp_path, kind: str, seed: int = 3, v_kind: str | None = None, top: dict | None = None,
+                  **overrides):
     """A tiny Llama whose decoder weights are ``kind`` blocks (random ones for the K types, gguf-py's
-    quantization for Q5_0/Q5_1; the embedding F32; v_proj ``v_kind`` where given), as a GGUF file, and the
-    transformers model holding exactly the values the file does."""
-    model = tm.random_hf_model("llama", seed=seed, **WIDE)
-    cfg, base = model.config, kind
+    quantization for Q5_0/Q5_1; the embedding F32; v_proj ``v_kind`` where given; ``top``: the embedding's
+    and an untied head's types by HF name), as a GGUF file, and the transformers model holding exactly the
+    values the file does."""
+    model = tm.random_hf_model("llama", seed=seed, **WIDE, **overrides)
+    cfg, base, top = model.config, kind, top or {}
     tensors = tm.hf_to_gguf_tensors(model, None, permute=True)  # norms and embedding as they are
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
-            if not name.startswith("model.layers.") or p.dim() != 2:
+            if name not in top and (not name.startswith("model.layers.") or p.dim() != 2):
                 continue
-            kind = v_kind if v_kind and name.endswith("v_proj.weight") else base
+            kind = top.get(name) or (v_kind if v_kind and name.endswith("v_proj.weight") else base)
             if kind in K_TYPES:
                 blocks = kquants.random_blocks(kind, *p.shape, seed=seed + i, scale=BLOCK_SCALE[kind])
             else:
@@ -340,6 +342,25 @@ def test_a_fused_layer_in_two_formats_runs_each_part_on_its_own_blocks(tmp_path)
     ref = tm.hf_logits(model, ids)
     rel = ((fused - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert rel < 0.02, rel  # mostly the float (F32) tied head, which this mode quantizes to Q8_0
+
+
+def test_an_untied_embedding_is_looked_up_in_the_files_own_blocks(tmp_path):
+    """An untied model (Llama 3.1 8B, Qwen2.5 7B) in gguf mode keeps its Q4_K token_embd as the file's bytes and
+    looks rows up there, as the tied head's embedding is: no float copy (4 bytes x vocabulary x hidden, 805 MB
+    at the 8B shape here). The rows are exactly the float loader's; the model against transformers as above."""
+    top = {"model.embed_tokens.weight": "Q4_K", "lm_head.weight": "Q6_K"}
+    model, path = _kquant_model(tmp_path, "Q4_K", top=top, tie_word_embeddings=False, vocab_size=512)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+    if llm.engine.quantization != "gguf":  # no integer kernels here
+        pytest.skip("the CPU kernels are unavailable")
+    net = llm.engine.runner.model
+    emb = net.embed_tokens
+    assert isinstance(emb, QuantizedEmbedding) and emb.fmt == "q4_k" and emb.blocks is not net.head
+    assert emb.qweight.numel() == {t.name: int(t.n_bytes) for t in gguf_loader_open(path).tensors}["token_embd.weight"]
+    ids = torch.tensor([0, 5, 17, 300, 511, 5])
+    assert torch.equal(net.embed(ids), model.model.embed_tokens.weight[ids])  # the file's values, exactly
+    ref, ours = tm.hf_logits(model, list(range(5, 45))), prefill_logits(llm.engine, list(range(5, 45)))
+    assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item() < 0.01
 
 
 # ---- the embedded model, requantized by llama.cpp's recipes ---------------------------------------------

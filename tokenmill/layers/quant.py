@@ -92,10 +92,13 @@ class QuantizedTensor:
         if self.fmt not in _HEADS:
             return self.data.contiguous().clone()
         blk = self.blocks()
+        n, nb, size = blk.shape
         cut = _HEADS[self.fmt]
-        heads = [blk[..., i:i + 2] for i in range(0, cut, 2)]  # d (and m)
-        quants = blk[..., cut:]
-        return torch.cat([p.reshape(self.shape[0], -1) for p in [*heads, quants]], 1).contiguous()
+        out = torch.empty(n, nb * size, dtype=torch.uint8)  # filled in place: no temporaries of the matrix
+        for i in range(0, cut, 2):  # d (and m)
+            out[:, nb * i: nb * (i + 2)].view(n, nb, 2).copy_(blk[..., i:i + 2])
+        out[:, nb * cut:].view(n, nb, size - cut).copy_(blk[..., cut:])
+        return out
 
     @classmethod
     def from_kernel_layout(cls, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> "QuantizedTensor":
@@ -418,15 +421,19 @@ class StackedLinear(torch.nn.Module):
 
 
 class QuantizedEmbedding(torch.nn.Module):
-    """Token embedding lookups from a tied output head's own blocks (a GGUF file's Q8_0 embedding, say):
-    only the looked-up rows are dequantized, so the model holds no float copy of the matrix (113 MB for
-    the default model). The values are those a float copy would hold: the same dequantization."""
+    """Token embedding lookups from quantized blocks: a tied output head's (a GGUF file's Q8_0 embedding,
+    say), or, ``own``, the file's own embedding of an untied model (a Q4_K token_embd beside a Q6_K output).
+    Only the looked-up rows are dequantized, so the model holds no float copy of the matrix (113 MB for the
+    default model, 4 bytes x vocabulary x hidden for an untied one). The values are those a float copy
+    would hold: the same dequantization."""
 
-    def __init__(self, head: QuantizedLinear) -> None:
+    def __init__(self, head: QuantizedLinear, own: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.fmt = head.fmt
-        object.__setattr__(self, "_head", head)  # not a submodule: the blocks are the head's, counted there
+        if own:
+            self.blocks = head  # a submodule: model.to() moves it and its bytes count here
+        object.__setattr__(self, "_head", head)  # (not a submodule when it is the head's: counted there)
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -449,7 +456,8 @@ class QuantizedEmbedding(torch.nn.Module):
         return x.view(*shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt} (the head's blocks)"
+        whose = "its own blocks" if hasattr(self, "blocks") else "the head's blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt} ({whose})"
 
 
 def _ops():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -202,26 +202,56 @@ def gguf_layers_quantized(reader) -> bool:
     return bool(types) and not any(k in FLOAT_TYPES for k in types)
 
 
-def gguf_quantized_weights(reader, cfg: ModelConfig) -> dict:
+class LazyBlocks(Mapping):
+    """Name -> QuantizedTensor, each made when it is looked up (and not kept): the model's layout is built
+    from one tensor at a time, so a conversion's copy (Q4_0 -> Q4_1, q/k un-permuted rows) never sits
+    beside every other tensor's. Membership costs nothing; look a tensor up once."""
+
+    def __init__(self, makers: dict[str, Callable[[], object]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str):
+        return self._makers[name]()
+
+    def __iter__(self):
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def remap(self, fn: Callable[[str], str | None], convert: Callable[[str, object], object] | None = None):
+        """Renamed by fn (None drops a tensor) and, when made, converted by convert(old name, tensor)."""
+        out = {}
+        for name, make in self._makers.items():
+            new = fn(name)
+            if new is not None:
+                out[new] = make if convert is None else (lambda make=make, name=name: convert(name, make()))
+        return LazyBlocks(out)
+
+
+def gguf_quantized_weights(reader, cfg: ModelConfig) -> LazyBlocks:
     """The 2-D tensors stored in a KEPT_TYPES type, as QuantizedTensors under their Hugging Face names, in
-    the kernels' formats (converted as KEPT_TYPES says; q/k rows un-permuted like the float path)."""
+    the kernels' formats (converted as KEPT_TYPES says; q/k rows un-permuted like the float path); each is
+    made when looked up (LazyBlocks), over the file's mapped bytes where nothing is converted."""
+    makers = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, cfg.architecture)
+        if t.tensor_type.name in KEPT_TYPES and name is not None and len(t.shape) == 2:
+            makers[name] = lambda t=t, name=name: _quantized(t, name, cfg)
+    return LazyBlocks(makers)
+
+
+def _quantized(t, name: str, cfg: ModelConfig):
     from tokenmill.layers.quant import QuantizedTensor, q4_0_to_q4_1
 
-    convert = {"Q4_0": q4_0_to_q4_1}
-    out = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        name = _hf_name(t.name, cfg.architecture)
-        if kind not in KEPT_TYPES or name is None or len(t.shape) != 2:
-            continue
-        k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
-        raw = _file_view(t.data).reshape(n, -1)  # no copy: the kernel layout made from it is the only one
-        if kind in convert:
-            try:
-                raw = convert[kind](raw, k)
-            except ValueError as e:
-                raise GGUFError(f"tensor {t.name}: {e}; load it with --quantization int8 or none") from None
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            raw = _undo_rope_permute(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        out[name] = QuantizedTensor(raw.contiguous(), KEPT_TYPES[kind], (n, k))
-    return out
+    kind = t.tensor_type.name
+    k, n = (int(x) for x in t.shape)  # GGUF lists dims fastest-first
+    raw = _file_view(t.data).reshape(n, -1)  # no copy: the kernel layout made from it is the only one
+    if kind == "Q4_0":
+        try:
+            raw = q4_0_to_q4_1(raw, k)
+        except ValueError as e:
+            raise GGUFError(f"tensor {t.name}: {e}; load it with --quantization int8 or none") from None
+    if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        raw = _undo_rope_permute(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+    return QuantizedTensor(raw.contiguous(), KEPT_TYPES[kind], (n, k))

@@ -54,6 +54,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     """phase(name) is called as each startup phase ends (tokenizer, weights). ``tp`` (a TPGroup): load
     this tensor-parallel rank's shard (distributed/sharding.py)."""
     raw = reader = None
+    one_rank = tp is None or tp.size == 1  # an untied embedding runs on its blocks (not sharded by vocabulary)
     if source.format == "gguf":
         reader = open_gguf(source.path)
         cfg = gguf_model_config(reader)
@@ -67,7 +68,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     if reader is not None:
         if quantization == "gguf":  # (not a GGUF file: quantize_model says what to do)
             raw = gguf_quantized_weights(reader, cfg)
-        kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings) if raw else ()
+        kept = kept_weight_names(raw, cfg.num_layers, cfg.tie_word_embeddings, one_rank) if raw else ()
         weights = gguf_weights(reader, cfg, frozenset(kept))
     group = tp  # the model's: its stage under pipeline parallelism; tp becomes the stage's tensor group
     if tp is not None and tp.size > 1 and tp.pipeline:  # this stage's layers, renumbered from 0
@@ -77,7 +78,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         first, last = model_stage_layers(cfg, tp.stage, tp.num_stages)
         weights = ((new, w) for n, w in weights if (new := stage_name(n, first, last)) is not None)
         if raw:
-            raw = {new: q for n, q in raw.items() if (new := stage_name(n, first, last)) is not None}
+            raw = raw.remap(lambda n: stage_name(n, first, last))
         tp = tp.tensor
     if tp is not None and tp.size > 1:
         from tokenmill.distributed.sharding import (check_tensor_parallel, dispatches_all_to_all, holds_weight,
@@ -88,7 +89,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size, ep, whole))
                    for n, w in weights if holds_weight(n, cfg, rank, size, ep))
         if raw:
-            raw = {n: shard_quantized(n, q, cfg, rank, size) for n, q in raw.items()}
+            raw = raw.remap(lambda n: n, lambda n, q: shard_quantized(n, q, cfg, rank, size))
     elif group is not None and not group.pipeline:
         group = None
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
@@ -104,7 +105,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     finally:
         torch.set_default_dtype(default)
     model.load_weights(weights)
-    quantize_model(model, quantization, raw,
+    quantize_model(model, quantization, raw, embedding=one_rank,
                    after_layer=(lambda: release_file_pages(reader)) if reader is not None else (lambda: None))
     if quantization != "none" and (device.type != "cpu" or cpu_kernels() is None):
         why = f"the device is {device}" if device.type != "cpu" else unavailable_reason()

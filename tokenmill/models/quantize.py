@@ -68,19 +68,21 @@ def _groups(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
     return out
 
 
-def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bool = False) -> set[str]:
+def kept_weight_names(raw: dict[str, QuantizedTensor], num_layers: int, tied: bool = False,
+                      embedding: bool = False) -> set[str]:
     """The float weights quantize_model(mode="gguf") never reads, because their blocks are kept; the
     loader need not dequantize them. A tied embedding kept as the head's blocks is looked up from them
-    (QuantizedEmbedding), so it is not read as floats either."""
+    (QuantizedEmbedding), so it is not read as floats either; nor, with ``embedding`` (quantize_model's
+    flag), an untied one kept in its own blocks."""
     names = set()
     for i in range(num_layers):
         for path, sources in _FUSED.items():
             parts = _part_names(raw, i, path, sources)
-            if _keeps([raw.get(n) for n in parts]):
+            if all(n in raw for n in parts):  # (membership: raw may make its tensors when looked up)
                 names.update(parts)
     if "lm_head.weight" in raw:
         names.add("lm_head.weight")
-    if tied and "model.embed_tokens.weight" in raw:
+    if (tied or embedding) and "model.embed_tokens.weight" in raw:
         names.add("model.embed_tokens.weight")
     return names
 
@@ -98,9 +100,11 @@ def _layer(groups: list[QuantizedTensor], bias: torch.Tensor | None) -> Quantize
 
 
 def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None,
-                   after_layer: Callable[[], None] = lambda: None) -> None:
+                   after_layer: Callable[[], None] = lambda: None, embedding: bool = False) -> None:
     """Replace every decoder linear layer and the output head of ``model`` in place; after_layer() runs
-    as each layer is done (the loader drops the file pages read for it, so they never add up)."""
+    as each layer (and the head) is done (the loader drops the file pages read for it, so they never add
+    up). ``embedding`` (gguf, an untied model on one rank): look tokens up in the file's embedding blocks
+    where they are kept, instead of a float copy (the loader did not read one: kept_weight_names)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
@@ -132,6 +136,9 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
     model.head = QuantizedLinear(qw[0])
     if kept and model.lm_head is None:  # the tied embedding is the head's own blocks: look rows up there
         model.embed_tokens = QuantizedEmbedding(model.head)
+    elif mode == "gguf" and embedding and model.lm_head is not None and "model.embed_tokens.weight" in raw:
+        model.embed_tokens = QuantizedEmbedding(QuantizedLinear(raw["model.embed_tokens.weight"]), own=True)
+    after_layer()
     if requantized:
         logger.info("--quantization gguf: %d linear layers were not in a kept GGUF format and use Q8_0", requantized)
 
