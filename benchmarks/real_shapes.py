@@ -22,6 +22,9 @@ F16, 0.65 GB less per matrix for the 8B, 0.74 GB for Qwen2.5-7B), the parameter 
     python benchmarks/real_shapes.py make --shapes llama-3.2-3b --types Q4_K_M Q6_K --keep-f16 --check
     python benchmarks/real_shapes.py bench --llama-bin DIR --paired-rounds 8  # every .gguf in --out-dir
     python benchmarks/real_shapes.py bench results/real_shapes/tiny-f16.gguf --threads 2   # tokenmill only
+    python benchmarks/real_shapes.py bench FILE --llama-bin DIR --load-only   # load time and peak RSS only
+
+Beside the peak RSS the run prints a bare ``import torch``'s (the interpreter and torch, before any model).
 
 Files are OUT_DIR/<shape>-f16.gguf and OUT_DIR/<shape>-<TYPE>.gguf (default OUT_DIR results/real_shapes);
 existing files are skipped. The F16 is deleted after quantizing unless --keep-f16 (an 8B F16 is ~15 GB).
@@ -296,10 +299,11 @@ def bench_file(path: Path, args) -> dict:
         cmd += ["--llama-bin", str(args.llama_bin), "--paired-rounds", str(args.paired_rounds)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    print(f"\n$ {' '.join(cmd)}", flush=True)
     regimes.unlink(missing_ok=True)  # so a failed run cannot report an old file's numbers
-    if subprocess.run(cmd).returncode:
-        print(f"cpu_regimes.py failed on {path}")
+    if not args.load_only:
+        print(f"\n$ {' '.join(cmd)}", flush=True)
+        if subprocess.run(cmd).returncode:
+            print(f"cpu_regimes.py failed on {path}")
     res = json.loads(regimes.read_text()) if regimes.exists() else {"rows": []}
     rows = {("llama.cpp" if r["quantization"] == "llama.cpp" else "tokenmill"): r for r in res["rows"]}
     loads = {"tokenmill": measure([sys.executable, "-c", TOKENMILL_CHILD, str(path), args.kv_cache_memory])}
@@ -340,6 +344,9 @@ def cmd_bench(args) -> None:
         raise SystemExit(f"{args.llama_bin / 'llama-bench'} not found (cpu_regimes.py runs llama-bench)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     print(cpu_summary())
+    # tokenmill's resident memory above the file: Python and torch alone take this much (ru_maxrss)
+    bare = measure([sys.executable, "-c", "import torch"])["maxrss_kib"] / 2**20
+    print(f"a bare `import torch` peaks at {bare:.2f} GiB")
     summary = [bench_file(Path(f), args) for f in files]
     (args.out_dir / "bench_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"\nwrote {args.out_dir / 'bench_summary.json'}")
@@ -360,6 +367,8 @@ def main() -> None:
     bn.add_argument("--threads", type=int, help="cpu_regimes.py's --threads (default: its own, all torch threads)")
     bn.add_argument("--batch", type=int, default=16, help="batched regime's sequences (default 16)")
     bn.add_argument("--batch-len", type=int, default=64, help="batched regime's prompt and output tokens (default 64)")
+    bn.add_argument("--load-only", action="store_true",
+                    help="only the load/peak-RSS run of each engine (no cpu_regimes.py)")
     bn.add_argument("--kv-cache-memory", default="512MiB",
                     help="tokenmill's KV cache in the load/RSS run (llama.cpp sizes its own context)")
     for p in (mk, bn):

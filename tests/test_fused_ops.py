@@ -302,3 +302,18 @@ def test_a_family_runs_the_fused_halves_its_extras_allow(tmp_path, arch, fused):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].logprobs == y.outputs[0].logprobs
 
+
+
+def test_rope_tables_grow_a_chunk_at_a_time_with_the_same_bits():
+    """A 128k-context model holds cos/sin for the positions it has reached, a chunk at a time (32-64 MB
+    less at start), and a grown table is the same bits as one computed whole."""
+    chunk = RotaryEmbedding.CHUNK
+    rope = RotaryEmbedding(64, 5 * chunk, 500000.0, None)
+    assert rope.cos.shape[0] == chunk
+    pos = torch.tensor([3, 2 * chunk + 7, chunk - 1, chunk])
+    cos, sin = rope.tables(pos)
+    assert rope.cos.shape[0] == 3 * chunk  # grown to the highest position's chunk, not to the whole context
+    whole = torch.outer(torch.arange(5 * chunk, dtype=torch.float32), rope.inv_freq)
+    assert torch.equal(cos.squeeze(1), whole.cos()[pos]) and torch.equal(sin.squeeze(1), whole.sin()[pos])
+    with pytest.raises(IndexError, match="past the model's"):
+        rope.tables(torch.tensor([5 * chunk]))

@@ -37,15 +37,47 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables per position, grown on the CPU a chunk of positions at a time as positions are asked
+    for: a 128k-token context's full tables (32-64 MB) are not held for the few thousand positions a
+    server reaches. A chunk's values are computed alone, so they are the same bits whenever it is made."""
+
+    CHUNK = 4096
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.max_positions = max_positions
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("cos", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(0, head_dim // 2, dtype=torch.float32), persistent=False)
+        self._grow(min(self.CHUNK, max_positions))
+
+    def _grow(self, n: int) -> None:
+        """Tables for at least n positions (whole chunks, at most max_positions)."""
+        have, dev = self.cos.shape[0], self.inv_freq.device
+        cos, sin = [self.cos], [self.sin]
+        while have < n:
+            pos = torch.arange(have, min(have + self.CHUNK, self.max_positions), dtype=torch.float32, device=dev)
+            freqs = torch.outer(pos, self.inv_freq)  # [chunk, D/2]
+            cos.append(freqs.cos())
+            sin.append(freqs.sin())
+            have += pos.numel()
+        if len(cos) > 1:
+            self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        if self.cos.device.type != "cpu":  # elsewhere whole up front: a lookup must not wait on the device
+            self._grow(self.max_positions)
+        return out
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin per token, [T, 1, D/2]: gathered once per forward, shared by every layer."""
+        if positions.numel() and positions.device.type == "cpu":
+            need = int(positions.max()) + 1
+            if need > self.cos.shape[0]:
+                if need > self.max_positions:
+                    raise IndexError(f"position {need - 1} is past the model's {self.max_positions} positions")
+                self._grow(need)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod

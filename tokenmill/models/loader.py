@@ -106,7 +106,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         torch.set_default_dtype(default)
     model.load_weights(weights)
     quantize_model(model, quantization, raw, embedding=one_rank,
-                   after_layer=(lambda: release_file_pages(reader)) if reader is not None else (lambda: None))
+                   after_weight=(lambda: release_file_pages(reader)) if reader is not None else (lambda: None))
     if quantization != "none" and (device.type != "cpu" or cpu_kernels() is None):
         why = f"the device is {device}" if device.type != "cpu" else unavailable_reason()
         logger.warning("--quantization %s: no quantized kernels here (%s); weights are dequantized on first "

@@ -100,10 +100,10 @@ def _layer(groups: list[QuantizedTensor], bias: torch.Tensor | None) -> Quantize
 
 
 def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = None,
-                   after_layer: Callable[[], None] = lambda: None, embedding: bool = False) -> None:
-    """Replace every decoder linear layer and the output head of ``model`` in place; after_layer() runs
-    as each layer (and the head) is done (the loader drops the file pages read for it, so they never add
-    up). ``embedding`` (gguf, an untied model on one rank): look tokens up in the file's embedding blocks
+                   after_weight: Callable[[], None] = lambda: None, embedding: bool = False) -> None:
+    """Replace every decoder linear layer and the output head of ``model`` in place; after_weight() runs
+    as each of them is built (the loader drops the file pages read for it: at most one matrix's pages are
+    resident beside the model's own layout). ``embedding`` (gguf, an untied model on one rank): look tokens up in the file's embedding blocks
     where they are kept, instead of a float copy (the loader did not read one: kept_weight_names)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
@@ -128,17 +128,18 @@ def quantize_model(model, mode: str, raw: dict[str, QuantizedTensor] | None = No
             qw, kept = _pick(lin.weight.data, parts, mode)
             requantized += mode == "gguf" and not kept
             setattr(owner, attr, _layer(qw, lin.bias))
-        after_layer()
+            after_weight()
     head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     qw, kept = _pick(head.data, [raw.get(head_name)], mode)
     requantized += mode == "gguf" and not kept
     model.head = QuantizedLinear(qw[0])
+    after_weight()
     if kept and model.lm_head is None:  # the tied embedding is the head's own blocks: look rows up there
         model.embed_tokens = QuantizedEmbedding(model.head)
     elif mode == "gguf" and embedding and model.lm_head is not None and "model.embed_tokens.weight" in raw:
         model.embed_tokens = QuantizedEmbedding(QuantizedLinear(raw["model.embed_tokens.weight"]), own=True)
-    after_layer()
+        after_weight()
     if requantized:
         logger.info("--quantization gguf: %d linear layers were not in a kept GGUF format and use Q8_0", requantized)
 
