@@ -42,7 +42,7 @@ def _native(kind: str, n: int, k: int, seed: int) -> QuantizedTensor:
 
 
 def _layouts(qt: QuantizedTensor) -> list[tuple[QuantizedTensor, torch.Tensor, int]]:
-    """(weight, its kernel bytes, kernel format id): the row layout and, for Q4_K and Q6_K, the panels of 8 rows
+    """(weight, its kernel bytes, kernel format id): the row layout and, for Q4_K, Q5_K and Q6_K, the panels of 8 rows
     on the matrix's first rows down to a multiple of 8 (37 -> 32: two panels of 16; 45 -> 40: a last of 8)."""
     out = [(qt, qt.kernel_layout(), FORMAT_IDS[qt.fmt])]
     if qt.fmt in PANEL_FORMATS:
@@ -112,7 +112,7 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind, precision):
     """The kernel's result is ref_qlinear's, bit for bit, for every batch size from 1 to 40 (so a token's row
     does not depend on the batch) and on both instruction sets (AVX2 below the crossing, AVX512-VNNI panels
     from it where the CPU has them, VNNI for every batch size, and AVX2 throughout when forced), in the row
-    layout and, for Q4_K and Q6_K, in panels of 8 rows (whose GEMV, many-token GEMM and VNNI widening differ);
+    layout and, for Q4_K, Q5_K and Q6_K, in panels of 8 rows (whose GEMV, many-token GEMM and VNNI widening differ);
     with int16 activations and with int8 (the panels then skip the low byte's products)."""
     from tokenmill.layers.kernels import cpu_kernels
 
@@ -152,7 +152,7 @@ def test_kernel_on_native_blocks_is_its_reference_bit_for_bit(kind, precision):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_panels_hold_the_rows_byte_for_byte(kind):
     """Panels of 8 rows are the row blocks reordered: back to rows exactly; a layer keeps them where its rows
     are a multiple of 8, and its weight, the embedding looked up from it and its output are the row layout's."""

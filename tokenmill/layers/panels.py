@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K and Q4_1 matrices in panels of 8 rows: the layout the kernels' fastest GEMM reads.
+"""Q4_K, Q6_K, Q4_1 and Q5_K matrices in panels of 8 rows: the layout the kernels' fastest GEMM reads.
 
 The kernels (``csrc/panels_x8.h``) multiply 8 weight rows at once, one row per 32-bit lane, so that a
 32-byte load holds four consecutive weights of each of 8 rows and needs no horizontal sums. Here the
@@ -11,6 +11,8 @@ is ``x`` byte for byte). Per panel of 8 rows and super-block of 256 weights:
 - ``q6_k`` (1680 bytes, the same as 8 rows): fp16 d[8] | int8 scales [16 halves][8 rows] |
   low nibbles [4 pairs][8 steps][8 rows][4] (block 2 p low, block 2 p + 1 high) |
   high bit pairs [2 quads][8 steps][8 rows][4] (block 4 t + i in bits 2 i, 2 i + 1).
+- ``q5_k`` (1408 bytes): ``q4_k``'s 1152 | high-bit bytes [8 steps][8 rows][4]: row r's byte 4 s + k of the
+  super-block's 32 (bit j: the fifth bit of weight 4 s + k of block j).
 - ``q4_1`` (1280 bytes per 8 blocks of 32, the same as 8 rows): fp16 d [8 blocks][8 rows] | fp16 m [8][8] |
   quants as ``q4_k``'s (the low nibble weight 4 s + k of block 2 p, the high nibble that of block 2 p + 1).
 
@@ -24,9 +26,9 @@ import torch
 from tokenmill.layers.formats import QK_K
 
 PANEL_ROWS = 8
-PANEL_FORMATS = {"q4_k": "q4_k_x8", "q6_k": "q6_k_x8", "q4_1": "q4_1_x8"}  # row format -> its panel format
+PANEL_FORMATS = {"q4_k": "q4_k_x8", "q6_k": "q6_k_x8", "q4_1": "q4_1_x8", "q5_k": "q5_k_x8"}  # row -> panel format
 ROW_FORMATS = {v: k for k, v in PANEL_FORMATS.items()}
-_ROW_BYTES = {"q4_k": 144, "q6_k": 210, "q4_1": 160}  # per row and 256 weights
+_ROW_BYTES = {"q4_k": 144, "q6_k": 210, "q4_1": 160, "q5_k": 176}  # per row and 256 weights
 
 
 def panel_format(fmt: str, n: int, k: int) -> str:
@@ -66,9 +68,12 @@ def to_panels(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> torch.Ten
         parts = [blk[..., 0:2].transpose(2, 3), blk[..., 2:4].transpose(2, 3), qs]
         return torch.cat([t.reshape(p, nsb, -1) for t in parts], dim=-1).reshape(p, -1)
     blk = data.reshape(p, PANEL_ROWS, nsb, _ROW_BYTES[fmt]).permute(0, 2, 1, 3)  # [panel, super-block, row, bytes]
-    if fmt == "q4_k":
-        qs = blk[..., 16:].reshape(p, nsb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
+    if fmt in ("q4_k", "q5_k"):  # (Q5_K: the quants after its 32 high-bit bytes, which follow them here)
+        q0 = 16 if fmt == "q4_k" else 48
+        qs = blk[..., q0:].reshape(p, nsb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)
         parts = [blk[..., 0:2], blk[..., 2:4], blk[..., 4:16].transpose(-1, -2), qs]
+        if fmt == "q5_k":
+            parts.append(blk[..., 16:48].reshape(p, nsb, 8, 8, 4).transpose(2, 3))  # [.., step, row, 4]
     else:
         q = _q6_values(blk).reshape(p, nsb, 8, 8, 8, 4)  # [.., row, block, step, k]
         low, high = q & 0x0F, q >> 4
@@ -90,11 +95,12 @@ def from_panels(panels: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
         w = torch.stack([qs & 0x0F, qs >> 4], dim=4).reshape(p, nsb, 8, 8, 32)  # [.., row, block, weight]
         blk = torch.cat([d, m, w[..., :16] | (w[..., 16:] << 4)], dim=-1)
         return blk.permute(0, 2, 1, 3, 4).reshape(p * PANEL_ROWS, -1).contiguous()
-    if fmt == "q4_k":
+    if fmt in ("q4_k", "q5_k"):
         d, dmin = x[..., 0:16].reshape(p, nsb, 8, 2), x[..., 16:32].reshape(p, nsb, 8, 2)
         scales = x[..., 32:128].reshape(p, nsb, 12, 8).transpose(-1, -2)
-        qs = x[..., 128:].reshape(p, nsb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(p, nsb, 8, 128)
-        blk = torch.cat([d, dmin, scales, qs], dim=-1)
+        qs = x[..., 128:1152].reshape(p, nsb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(p, nsb, 8, 128)
+        high = [x[..., 1152:].reshape(p, nsb, 8, 8, 4).transpose(2, 3).reshape(p, nsb, 8, 32)] if fmt == "q5_k" else []
+        blk = torch.cat([d, dmin, scales, *high, qs], dim=-1)
     else:
         d = x[..., 0:16].reshape(p, nsb, 8, 2)
         sc = x[..., 16:144].reshape(p, nsb, 16, 8).transpose(-1, -2)

@@ -5,12 +5,14 @@
 
 constexpr int QK = 32;
 enum : int { Q8_0 = 0, Q4_1 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, NUM_FORMATS = 6 };
-// Q4_K, Q6_K and Q4_1 in panels of 8 rows (panels_x8.h)
-enum : int { Q4_K_X8 = NUM_FORMATS, Q6_K_X8, Q4_1_X8, NUM_FORMATS_X8 };
+// Q4_K, Q6_K, Q4_1 and Q5_K in panels of 8 rows (panels_x8.h)
+enum : int { Q4_K_X8 = NUM_FORMATS, Q6_K_X8, Q4_1_X8, Q5_K_X8, NUM_FORMATS_X8 };
 constexpr bool is_x8(int64_t f) { return f >= Q4_K_X8 && f < NUM_FORMATS_X8; }
 // bytes per 8 rows and 256 weights (a super-block, or 8 blocks of Q4_1)
-constexpr int64_t x8_bytes(int64_t f) { return f == Q4_K_X8 ? 1152 : f == Q6_K_X8 ? 1680 : 1280; }
-constexpr int x8_row_format(int f) { return f == Q4_K_X8 ? Q4_K : f == Q6_K_X8 ? Q6_K : Q4_1; }
+constexpr int64_t x8_bytes(int64_t f) {
+  return f == Q4_K_X8 ? 1152 : f == Q6_K_X8 ? 1680 : f == Q5_K_X8 ? 1408 : 1280;
+}
+constexpr int x8_row_format(int f) { return f == Q4_K_X8 ? Q4_K : f == Q6_K_X8 ? Q6_K : f == Q5_K_X8 ? Q5_K : Q4_1; }
 constexpr bool is_super(int64_t f) { return f >= Q4_K; }  // super-blocks of 256 weights
 // bytes per block of 32 weights (per super-block of 256 for the K-quants)
 constexpr int64_t block_bytes(int64_t f) {

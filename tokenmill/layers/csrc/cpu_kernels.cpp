@@ -13,7 +13,7 @@
 //   4 Q5_K: Q4_K with 32 bytes qh after the scales        176 bytes, bit j of qh[l]: fifth bit of block j's weight l
 //   5 Q6_K: per 256: ql[128], qh[64], int8 sc[16], fp16 d 210 bytes, w = d sc_i (q - 32) per 16 weights
 //           (i = weight / 16), q: 4 bits from ql and 2 from qh (gguf's Q6_K layout, see unpack_block).
-//   6, 7, 8: Q4_K, Q6_K and Q4_1 in panels of 8 rows (panels_x8.h; layers/panels.py), where rows are a
+//   6-9: Q4_K, Q6_K, Q4_1 and Q5_K in panels of 8 rows (panels_x8.h; layers/panels.py), where rows are a
 //           multiple of 8 and K of 256: the fastest GEMV and the same bits.
 // The kernels take them in a kernel layout (quant.py's QuantizedTensor.kernel_layout(); the same
 // bytes, reordered within each row) so that eight block scales load in one instruction:
@@ -41,7 +41,7 @@
 //   gemm_rows.h     the integer GEMM on the row layout, AVX2 (unpacking, scales, tiles)
 //   gemm_vnni.h     the same on AVX512-VNNI for many tokens (panels of 16 rows widened once)
 //   gemm.h          which of the two runs, threads and prefetch
-//   panels_x8.h     Q4_K, Q6_K, Q4_1 in panels of 8 rows (+ panels_x8_body.inc, compiled per ISA), to_panels
+//   panels_x8.h     Q4_K, Q6_K, Q4_1, Q5_K in panels of 8 rows (+ panels_x8_body.inc, compiled per ISA), to_panels
 //   linear.h        qlinear: checks, activation scratch, the table of GEMMs by format
 //   flinear.h       float32 linear layers in one summation order
 //   elementwise.h   RMSNorm, RoPE, SwiGLU

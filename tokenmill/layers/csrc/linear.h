@@ -9,7 +9,7 @@ constexpr int64_t matrix_bytes(int64_t f, int64_t n, int64_t nb) {
 void check_format(int64_t K, int64_t fmt, const char* op) {
   TORCH_CHECK(fmt >= 0 && fmt < NUM_FORMATS_X8, "tokenmill::", op,
               ": format must be 0 (Q8_0), 1 (Q4_1), 2 (Q5_0), 3 (Q4_K), 4 (Q5_K), 5 (Q6_K), 6 (Q4_K in panels of 8 rows), "
-              "7 (Q6_K in panels) or 8 (Q4_1 in panels), got ", fmt);
+              "7 (Q6_K in panels), 8 (Q4_1 in panels) or 9 (Q5_K in panels), got ", fmt);
   const int64_t unit = is_super(fmt) ? 8 * QK : QK;  // the panel formats included: groups of 256
   TORCH_CHECK(K % unit == 0, "tokenmill::", op, ": in_features must be a multiple of ", unit, " for this format, got ", K);
 }
@@ -58,8 +58,8 @@ void gemm_of(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
 }
 constexpr GemmFn kGemm[NUM_FORMATS_X8] = {gemm_of<Q8_0>, gemm_of<Q4_1>,    gemm_of<Q5_0>,    gemm_of<Q4_K>,
                                           gemm_of<Q5_K>, gemm_of<Q6_K>,    gemm_of<Q4_K_X8>, gemm_of<Q6_K_X8>,
-                                          gemm_of<Q4_1_X8>};
-static_assert(Q4_1_X8 == NUM_FORMATS_X8 - 1, "kGemm lists every format in id order");
+                                          gemm_of<Q4_1_X8>, gemm_of<Q5_K_X8>};
+static_assert(Q5_K_X8 == NUM_FORMATS_X8 - 1, "kGemm lists every format in id order");
 
 // y[M, n_out] (=, or += with accumulate) x[M, K] . W^T; x contiguous float32 rows
 void qlinear_into(const at::Tensor& x, const at::Tensor& w, int64_t n_out, int64_t fmt, at::Tensor& y, bool accumulate,

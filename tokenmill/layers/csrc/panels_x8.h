@@ -2,7 +2,8 @@
 // Included by cpu_kernels.cpp inside its namespace, after the shared helpers it uses (QK, TM_AVX512,
 // g_use_vnni, h2f).
 //
-// Formats Q4_K_X8, Q6_K_X8 and Q4_1_X8 hold Q4_K, Q6_K and Q4_1 matrices with 8 rows interleaved (layers/panels.py;
+// Formats Q4_K_X8, Q6_K_X8, Q4_1_X8 and Q5_K_X8 hold Q4_K, Q6_K, Q4_1 and Q5_K matrices with 8 rows interleaved
+// (layers/panels.py;
 // N a multiple of 8, K of 256), so that one 32-byte load holds four
 // consecutive weights of each of 8 rows, a row per 32-bit lane: the 8 rows advance together in the lanes,
 // with no horizontal sums, and one unpacking serves all 8. (The row layout's tiles spend more on unpacking
@@ -16,13 +17,15 @@
 //     ql[p][s][r][k]: the low 4 bits of weight 4 s + k of block 2 p (low nibble) and of block 2 p + 1
 //     (high); qh[t][s][r][k]: the top 2 bits of that weight of blocks 4 t .. 4 t + 3 (block 4 t + i in bits
 //     2 i, 2 i + 1). The weight is q in 0..63; the file's q - 32 comes back through the token's sums of 16.
+//   Q5_K_X8, 1408 bytes: Q4_K_X8's 1152 | qh[8][8][4]: qh[s][r][k] = row r's high-bit byte 4 s + k, whose bit j is
+//     the fifth bit of weight 4 s + k of block j (the weight is q in 0..31: a Q4_K nibble plus 16 that bit).
 //   Q4_1_X8, 1280 bytes per 8 blocks of 32: fp16 d[8 blocks][8 rows] | fp16 m[8][8] | qs[4][8][8][4] as Q4_K's
 //     (weight 4 s + k of blocks 2 p and 2 p + 1). A "super-block" below is then 8 blocks: the chains by block
 //     mod 8 are the row tiles' groups of 8.
 // Integer arithmetic: a token's int16 activation q = 256 h + l (h = q >> 8 as int8, l = q & 255 as uint8),
 // so a block's int32 sum of w q is 256 sum(w h) + sum(l w), from unsigned x signed byte products:
 // vpmaddubsw on AVX2 (pairs of products as int16, none saturating: 2 * 63 * 128 and 2 * 255 * 63 are below
-// 32768) or vpdpbusd on AVX512-VNNI (four products into int32). These are the row tiles' exact block sums,
+// 32768; summed over 4 steps in int16 only where that stays below too: see panels_x8_body.inc) or vpdpbusd on AVX512-VNNI (four products into int32). These are the row tiles' exact block sums,
 // and the float steps after them (the min term, d_w d_x per block, eight chains by block mod 8, hsum()'s
 // tree) are the row tiles' operations in their order: every (row, token) gets the row layout's bits, on
 // either instruction set and for any number of tokens.
@@ -71,15 +74,22 @@ inline void q4k_scales(const uint8_t* S, int j, __m256i& sc, __m256i& m) {
   }
 }
 
-// Weights 4 s .. 4 s + 3 of blocks 2 p and 2 p + 1 of a super-block's 8 rows, as bytes (Q4_K 0..15, Q6_K
-// 0..63): the two blocks share their loads.
+// Weights 4 s .. 4 s + 3 of blocks 2 p and 2 p + 1 of a super-block's 8 rows, as bytes (Q4_K 0..15, Q5_K
+// 0..31, Q6_K 0..63): the two blocks share their loads.
 template <int F>
 inline void x8_weights(const uint8_t* S, int p, int s, __m256i& w0, __m256i& w1) {
   const __m256i lo4 = _mm256_set1_epi8(0x0F);
   if constexpr (F != Q6_K_X8) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (F == Q4_K_X8 ? 128 : 256) + 256 * p + 32 * s));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + (F == Q4_1_X8 ? 256 : 128) + 256 * p + 32 * s));
     w0 = _mm256_and_si256(v, lo4);
     w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+    if constexpr (F == Q5_K_X8) {  // bits 2 p and 2 p + 1 of the high-bit bytes, to bit 4 of each weight
+      const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 1152 + 32 * s)),
+                                         _mm_cvtsi32_si128(2 * p));
+      const __m256i one = _mm256_set1_epi8(1);
+      w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+      w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+    }
   } else {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 144 + 256 * p + 32 * s));
     const __m256i h = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 1168 + 256 * (p >> 1) + 32 * s)),
@@ -144,7 +154,7 @@ TM_AVX512 void widen_x8(const uint8_t* P, int64_t panel_bytes, int64_t nsb, int 
           if constexpr (FX == Q4_1_X8) {  // as group_scales: the blocks' fp16 d and m
             d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 16 * j)));
             m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 128 + 16 * j)));
-          } else if constexpr (FX == Q4_K_X8) {  // as group_scales: d sc and -dmin m, exact
+          } else if constexpr (FX == Q4_K_X8 || FX == Q5_K_X8) {  // as group_scales: d sc and -dmin m, exact
             const __m256 ndmin = _mm256_xor_ps(_mm512_castps512_ps256(sign),
                                                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S[h] + 16))));
             __m256i sc, mn;
@@ -237,7 +247,7 @@ void gemm_x8(const uint8_t* W, int64_t N, int64_t K, const int16_t* xq, const fl
 // data [n, row bytes] in GGUF's block layout; fmt a panel format; n a multiple of 8, k of 256. The bytes are
 // only reordered (Q6_K's high bits and Q4_K's scales move as they are; the low nibbles of two blocks pair up).
 at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) {
-  TORCH_CHECK(is_x8(fmt), "tokenmill::to_panels: fmt must be a panel format (6, 7 or 8), got ", fmt);
+  TORCH_CHECK(is_x8(fmt), "tokenmill::to_panels: fmt must be a panel format (6 to 9), got ", fmt);
   TORCH_CHECK(n % 8 == 0 && k % 256 == 0, "tokenmill::to_panels: needs rows a multiple of 8 and in_features of 256, "
               "got [", n, ", ", k, "]");
   const int64_t per = row_bytes_of(x8_row_format(fmt), 8);  // a row's bytes per 256 weights
@@ -258,13 +268,18 @@ at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) 
         for (int w = 0; w < count; ++w)
           for (int r = 0; r < 8; ++r) std::memcpy(S + to + 32 * w + 4 * r, R[r] + from + 4 * w, 4);
       };
-      if (fmt == Q4_K_X8) {
+      if (fmt == Q4_K_X8 || fmt == Q5_K_X8) {
         for (int r = 0; r < 8; ++r) {
           std::memcpy(S + 2 * r, R[r], 2);
           std::memcpy(S + 16 + 2 * r, R[r] + 2, 2);
           for (int i = 0; i < 12; ++i) S[32 + 8 * i + r] = R[r][4 + i];
         }
-        words(128, 16, 32);
+        if (fmt == Q4_K_X8) {
+          words(128, 16, 32);
+        } else {  // Q5_K: its quants after the 32 high-bit bytes, which follow them here as they are
+          words(128, 48, 32);
+          words(1152, 16, 8);
+        }
       } else if (fmt == Q6_K_X8) {
         for (int r = 0; r < 8; ++r) {
           std::memcpy(S + 2 * r, R[r] + 208, 2);
@@ -306,7 +321,7 @@ at::Tensor to_panels(const at::Tensor& data, int64_t fmt, int64_t n, int64_t k) 
 // to_panels' inverse for those rows only (layers/panels.py's from_panels is the reference): the embedding looked
 // up from a tied head's panels, a row a token, without reordering whole panels.
 at::Tensor panel_rows(const at::Tensor& panels, int64_t fmt, int64_t k, const at::Tensor& ids) {
-  TORCH_CHECK(is_x8(fmt) && k % 256 == 0, "tokenmill::panel_rows: fmt must be a panel format (6, 7 or 8) and "
+  TORCH_CHECK(is_x8(fmt) && k % 256 == 0, "tokenmill::panel_rows: fmt must be a panel format (6 to 9) and "
               "in_features a multiple of 256, got ", fmt, " and ", k);
   const int64_t per = row_bytes_of(x8_row_format(fmt), 8), nsb = k / 256, sb_bytes = x8_bytes(fmt);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
@@ -326,11 +341,14 @@ at::Tensor panel_rows(const at::Tensor& panels, int64_t fmt, int64_t k, const at
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* S = src + (p * nsb + sb) * sb_bytes;
       uint8_t* R = dst + (i * nsb + sb) * per;
-      if (fmt == Q4_K_X8) {
+      if (fmt == Q4_K_X8 || fmt == Q5_K_X8) {
         std::memcpy(R, S + 2 * r, 2);
         std::memcpy(R + 2, S + 16 + 2 * r, 2);
         for (int b = 0; b < 12; ++b) R[4 + b] = S[32 + 8 * b + r];
-        for (int w = 0; w < 32; ++w) std::memcpy(R + 16 + 4 * w, S + 128 + 32 * w + 4 * r, 4);
+        const int qs = fmt == Q4_K_X8 ? 16 : 48;  // Q5_K: the high-bit bytes first
+        for (int w = 0; w < 32; ++w) std::memcpy(R + qs + 4 * w, S + 128 + 32 * w + 4 * r, 4);
+        if (fmt == Q5_K_X8)
+          for (int w = 0; w < 8; ++w) std::memcpy(R + 16 + 4 * w, S + 1152 + 32 * w + 4 * r, 4);
       } else if (fmt == Q6_K_X8) {
         std::memcpy(R + 208, S + 2 * r, 2);
         for (int h = 0; h < 16; ++h) R[192 + h] = S[16 + 8 * h + r];
