@@ -79,7 +79,7 @@ def measure_gemm_peaks(m: int = 512, k: int = 576, n: int = 3072, reps: int = 10
 def weight_bytes(model) -> int:
     """Bytes one decode step reads: every weight, the embedding only as the tied head (what /metrics
     counts too)."""
-    from tokenmill.engine.roofline import weight_bytes_read
+    from tokenmill.perf.roofline import weight_bytes_read
 
     return weight_bytes_read(model)
 

@@ -70,13 +70,13 @@ def micro(steps_per_s: float) -> None:
     from types import SimpleNamespace
 
     from tokenmill.config import ModelConfig
-    from tokenmill.core.step_cost import StepShape
+    from tokenmill.perf.step_cost import StepShape
     from tokenmill.engine.async_engine import EngineSnapshot
     from tokenmill.engine.utilization import ProcessCpu, UtilizationMeter
     from tokenmill.models.registry import DEFAULT_MODEL
     from tokenmill.monitor.history import MetricsHistory
     from tokenmill.server.metrics import ServerMetrics
-    from tokenmill.sim.cost import step_bytes, step_flops
+    from tokenmill.perf.cost import step_bytes, step_flops
 
     metrics = ServerMetrics("m", EngineSnapshot, 8192, utilization=UtilizationMeter(None, ProcessCpu()), nvml=None)
     rng = random.Random(0)

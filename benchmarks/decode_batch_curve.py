@@ -24,7 +24,7 @@ def main() -> None:
 
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.sim.profile import measure
+    from tokenmill.engine.calibration import measure
 
     engine = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory="1GiB"))
     for layer in engine.runner.kv_caches:

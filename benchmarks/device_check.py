@@ -79,7 +79,7 @@ def collectives(device: torch.device) -> dict:
 
 def engine(device: torch.device, bandwidth: float) -> dict:
     from tokenmill import LLM
-    from tokenmill.engine.roofline import weight_bytes_read
+    from tokenmill.perf.roofline import weight_bytes_read
     from tokenmill.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]

@@ -30,7 +30,7 @@ from tokenmill.models.registry import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 
 def weight_bytes(llm: LLM) -> int:
-    from tokenmill.engine.roofline import weight_bytes_read
+    from tokenmill.perf.roofline import weight_bytes_read
 
     return weight_bytes_read(llm.engine.runner.model)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from tokenmill.cli import build_parser, main as tokenmill
-from tokenmill.core.step_cost import CalibratedCost
+from tokenmill.perf.step_cost import CalibratedCost
 from tokenmill.engine.step_log import read_step_log, step_cycles
 
 KEYS = [("output_throughput", "out tok/s"), ("median_ttft_ms", "p50 TTFT"), ("p99_ttft_ms", "p99 TTFT"),

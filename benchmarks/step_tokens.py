@@ -2,7 +2,7 @@
 1-token step, on a model of real size (the issue's target: a 5-token step at most 1.3x a 1-token step).
 
 Decode is bandwidth-bound: a step reads every weight once, whatever its token count, so a few more tokens
-should ride on the same read. Each point is `tokenmill profile`'s measurement (sim/profile.py `measure`): the
+should ride on the same read. Each point is `tokenmill profile`'s measurement (engine/calibration.py `measure`): the
 engine's ModelRunner executing one step of n new tokens of one sequence after --context tokens (forward pass
 and sampling of the last), the median of --repeats; the counts are alternated over --rounds and the medians of
 the rounds reported, each against the 1-token step of its round.
@@ -30,7 +30,7 @@ def main() -> None:
 
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.sim.profile import measure
+    from tokenmill.engine.calibration import measure
 
     kwargs = {"kv_cache_memory": "512MiB"}
     if args.model:

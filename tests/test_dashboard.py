@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.cli import main
 from tokenmill.core.scheduler import ModelRunnerOutput
 from tokenmill.engine.messages import StepStats
-from tokenmill.engine.roofline import Roofline
+from tokenmill.perf.roofline import Roofline
 from tokenmill.engine.utilization import UtilizationMeter
 from tokenmill.monitor.scrape import Scrape, frame, histogram_quantile
 

@@ -11,10 +11,10 @@ import pytest
 
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import ModelConfig, SchedulerConfig
-from tokenmill.core.step_cost import CalibratedCost, StepShape
-from tokenmill.sim.cost import (RooflineCost, kv_bytes_per_token, kv_transfer_bytes, kv_transfer_seconds,
+from tokenmill.perf.step_cost import CalibratedCost, StepShape
+from tokenmill.perf.cost import (RooflineCost, kv_bytes_per_token, kv_transfer_bytes, kv_transfer_seconds,
                                  kv_transfer_tokens, layer_params)
-from tokenmill.sim.hardware import KNOWN, load_hardware
+from tokenmill.perf.hardware import KNOWN, load_hardware
 from tokenmill.sim.simulator import Disaggregation, Simulator
 
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -260,7 +260,7 @@ def test_disaggregated_timings_by_hand():
 def test_disaggregated_llama3_8b_ttft_grows_by_the_transfer():
     """One 2048-token prompt on H100s: TTFT = the prefill step + 2047 x 131072 B over the link + 5 us + one
     step of one token at position 2047; a 100 Gb/s link adds 2047 x 131072 (1 / 12.5e9 - 1 / 50e9) s."""
-    from tokenmill.core.step_cost import StepShape as S
+    from tokenmill.perf.step_cost import StepShape as S
 
     cost = RooflineCost(llama3_8b(), KNOWN["h100"])
     reqs = [SampleRequest("", 2048, 16)]

@@ -16,13 +16,13 @@ from tokenmill.bench.metrics import calculate_metrics
 from tokenmill.config import ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
-from tokenmill.core.step_cost import CalibratedCost, StepShape
+from tokenmill.perf.step_cost import CalibratedCost, StepShape
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.sim.cost import (RooflineCost, draft_cost_model, draft_passes, draft_weight_ratio,
-                                expected_tokens_per_step, layer_params, verify_shape)
-from tokenmill.sim.hardware import load_hardware
-from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts
+from tokenmill.perf.cost import (RooflineCost, draft_passes, draft_weight_ratio, expected_tokens_per_step, layer_params,
+                                verify_shape)
+from tokenmill.perf.hardware import load_hardware
+from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts, draft_cost_model
 
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

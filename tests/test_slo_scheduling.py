@@ -19,7 +19,7 @@ from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.step_cost import StepShape
+from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.step_planner import (MIN_CHUNK, Forecast, SLOAdmission, SLOPlanner, predict_ttft,
                                          prefill_equivalent)
 from tokenmill.sim.simulator import Simulator

@@ -4,7 +4,7 @@ beside its queue policy (fcfs or priority order); the planner never reorders any
 
 - ``FixedPlanner``: the configured token budget (``max_num_batched_tokens``) and sequence cap
   (``max_num_seqs``). Offline commands get it: throughput is all they want.
-- ``SLOPlanner``: plans against a latency target with a step-cost model (core/step_cost.py) measured on
+- ``SLOPlanner``: plans against a latency target with a step-cost model (perf/step_cost.py) measured on
   this machine. The token budget of a step is the decodes plus the largest prefill chunk whose predicted
   step time meets the target (Sarathi-Serve's rule), so a long prompt is cut finer as its chunks reach
   deeper into its context, never into a step that stalls the decodes past the target. With a TPOT SLO
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.step_cost import StepShape, StepTimeTracker
+from tokenmill.perf.step_cost import StepShape, StepTimeTracker
 
 # The smallest prefill chunk a step takes even when the decodes alone fill the target: arriving prompts
 # always make progress (and the batch target leaves room for it).

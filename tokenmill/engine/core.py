@@ -15,16 +15,17 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
-from tokenmill.core.step_cost import CalibratedCost, StepShape  # noqa: E402
+from tokenmill.perf.step_cost import CalibratedCost, StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
-from tokenmill.engine.roofline import machine_roofline, weight_bytes_read  # noqa: E402
+from tokenmill.engine.calibration import STARTUP_GRID, calibrate  # noqa: E402
+from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
 from tokenmill.models.loader import load_model  # noqa: E402
 from tokenmill.models.registry import resolve_model  # noqa: E402
 from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
 from tokenmill.request import Request, RequestStatus  # noqa: E402
-from tokenmill.sim.cost import step_bytes, step_flops  # noqa: E402
+from tokenmill.perf.cost import step_bytes, step_flops  # noqa: E402
 from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
 from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
 from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel  # noqa: E402
@@ -288,8 +289,6 @@ class EngineCore:
                                "observed step times correct them", config.step_cost_profile, made_for,
                                self.model_name)
             return cost
-        from tokenmill.sim.profile import STARTUP_GRID, calibrate
-
         t = time.perf_counter()
         cost, n = calibrate(self, STARTUP_GRID, repeats=1)
         s = config.scheduler

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from tokenmill.config import EngineConfig, ModelConfig
-from tokenmill.core.step_cost import StepShape
+from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.step_planner import Forecast
-from tokenmill.engine.roofline import Roofline
+from tokenmill.perf.roofline import Roofline
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.stats import SpecStepStats
 
@@ -62,7 +62,7 @@ class StepStats:
     draft_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
-    flops: float = 0.0  # the step's model FLOPs and memory traffic, by the roofline formulas (sim/cost.py)
+    flops: float = 0.0  # the step's model FLOPs and memory traffic, by the roofline formulas (perf/cost.py)
     bytes: float = 0.0
     # mixture of experts: tokens routed to each expert this step, per layer ([] for a dense layer)
     expert_tokens: list[list[int]] | None = None

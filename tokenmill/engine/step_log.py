@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from tokenmill.core.step_cost import StepShape
+from tokenmill.perf.step_cost import StepShape
 from tokenmill.engine.messages import StepStats
 
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))

@@ -2,8 +2,8 @@
 its steps use.
 
 - The engine core times each step's phases (schedule, draft, forward, sample, the rest) and counts its
-  model FLOPs and bytes by the roofline formulas (sim/cost.py); StepStats carries them, CoreInfo the
-  device's roofline (engine/roofline.py).
+  model FLOPs and bytes by the roofline formulas (perf/cost.py); StepStats carries them, CoreInfo the
+  device's roofline (perf/roofline.py).
 - ``UtilizationMeter`` (in the front end, fed each step by the server's metrics) sums the phases, FLOPs and bytes, and reads
   the engine process's CPU time (psutil) and, on NVIDIA GPUs, NVML's utilization and memory
   (nvidia-ml-py, where installed). ``/metrics`` exports them as counters; fractions over a window are
@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tokenmill.engine.messages import StepStats
-from tokenmill.engine.roofline import Roofline
+from tokenmill.perf.roofline import Roofline
 
 PHASES = ("schedule", "draft", "forward", "sample", "other")
 DEVICE_PHASES = ("draft", "forward")  # the phases that run the model: the device is busy

@@ -136,9 +136,9 @@ def model_config(model: str):  # noqa: ANN201
 def build(a: argparse.Namespace):  # noqa: ANN201
     """(cost model, simulator, description) for one configuration's flags."""
     from tokenmill.config import SchedulerConfig, parse_memory
-    from tokenmill.core.step_cost import CalibratedCost
-    from tokenmill.sim.cost import RooflineCost, ScaledCost, draft_weight_ratio, kv_bytes_per_token
-    from tokenmill.sim.hardware import load_hardware
+    from tokenmill.perf.step_cost import CalibratedCost
+    from tokenmill.perf.cost import RooflineCost, ScaledCost, draft_weight_ratio, kv_bytes_per_token
+    from tokenmill.perf.hardware import load_hardware
     from tokenmill.sim.simulator import Simulator
     from tokenmill.sim.spec import DEFAULT_ACCEPTANCE, SpecDecoding
 
@@ -266,7 +266,7 @@ def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN2
     engine checks them (config.SpeculativeConfig, and a draft model must share the target's vocabulary
     and reach its context)."""
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.sim.cost import DTYPE_BYTES
+    from tokenmill.perf.cost import DTYPE_BYTES
 
     sc = SpeculativeConfig(a.speculative_method, a.num_speculative_tokens, speculative_model=a.speculative_model)
     if sc.speculative_method is None:

@@ -54,10 +54,10 @@ from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.core.step_cost import StepShape
+from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.step_planner import SLOAdmission, SLOPlanner
-from tokenmill.sim.cost import draft_cost_model, kv_transfer_seconds, kv_transfer_tokens
-from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts
+from tokenmill.perf.cost import kv_transfer_seconds, kv_transfer_tokens
+from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts, draft_cost_model
 from tokenmill.spec_decode.stats import step_acceptance, summarize
 
 SIM_TOKEN = 1  # what every simulated step "samples": any id that is not a stop token

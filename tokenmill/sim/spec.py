@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.core.step_cost import StepShape
-from tokenmill.sim.cost import draft_passes
+from tokenmill.perf.cost import draft_passes, probe_shape
+from tokenmill.perf.step_cost import StepShape
+from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
 
 # Per-draft acceptance where none is given: n-gram drafts on recurring text here (BENCHMARKS.md,
 # "n-gram drafts": accepted at positions 1..3 of 0.83/0.65/0.48 at batch 1, 0.87/0.66/0.63 at 8 and
@@ -61,7 +62,7 @@ class SimProposer:
 
     def __init__(self, spec: SpecDecoding, block_size: int, draft_cost) -> None:  # noqa: ANN001
         self.spec, self.k, self.block_size = spec, spec.k, block_size
-        self.draft_cost = draft_cost  # the off rule's DraftCostModel (cost.draft_cost_model)
+        self.draft_cost = draft_cost  # the off rule's DraftCostModel (draft_cost_model below)
         self.passes: list[StepShape] = []
         # a draft model's view of each request: (tokens it holds KV for, the block table they are in,
         # the request's length when it last drafted, its accepted drafts then)
@@ -107,3 +108,13 @@ class SimProposer:
     def take_passes(self) -> list[StepShape]:
         passes, self.passes = self.passes, []
         return passes
+
+
+def draft_cost_model(target: Callable[[StepShape], float], drafter: Callable[[StepShape], float] | None,
+                     k: int, max_model_len: int) -> DraftCostModel:
+    """The off rule's cost of d drafts against the batch, built as the engine builds it at startup
+    (engine/core.py ``_measure_draft_cost``): the target's and the drafter's times over the probe sizes,
+    here from the cost models instead of a stopwatch. drafter None: drafting is free (n-gram)."""
+    sizes = sorted({min(n, max_model_len) for n in PROBE_SIZES})
+    curve = lambda cost: {n: cost(probe_shape(n)) for n in sizes}  # noqa: E731
+    return DraftCostModel(curve(target), curve(drafter) if drafter is not None else None, k)

@@ -49,11 +49,11 @@ pipeline parallel instance ships its shard over its own, so an instance's link i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from tokenmill.config import ModelConfig
-from tokenmill.core.step_cost import StepShape
-from tokenmill.sim.hardware import HardwareProfile
+from tokenmill.perf.step_cost import StepShape
+from tokenmill.perf.hardware import HardwareProfile
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
@@ -286,14 +286,3 @@ def probe_shape(n: int) -> StepShape:
     logits at each."""
     return StepShape(n, 0, n, n * (n + 1) // 2, n, 0, 1)
 
-
-def draft_cost_model(target: Callable[[StepShape], float], drafter: Callable[[StepShape], float] | None,
-                     k: int, max_model_len: int):  # noqa: ANN201 -- a spec_decode.policy.DraftCostModel
-    """The off rule's cost of d drafts against the batch, built as the engine builds it at startup
-    (engine/core.py ``_measure_draft_cost``): the target's and the drafter's times over the probe sizes,
-    here from the cost models instead of a stopwatch. drafter None: drafting is free (n-gram)."""
-    from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
-
-    sizes = sorted({min(n, max_model_len) for n in PROBE_SIZES})
-    curve = lambda cost: {n: cost(probe_shape(n)) for n in sizes}  # noqa: E731
-    return DraftCostModel(curve(target), curve(drafter) if drafter is not None else None, k)

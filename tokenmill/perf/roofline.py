@@ -1,6 +1,6 @@
 """The device's roofline: its peak FLOP/s and memory bandwidth, against which /metrics sets what the
 engine's steps achieve (engine/utilization.py). A datasheet's figures for the GPUs the capacity simulator
-knows (sim/hardware.py), else measured once per process: a GEMM and a streaming read in torch."""
+knows (perf/hardware.py), else measured once per process: a GEMM and a streaming read in torch."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def machine_roofline(device_type: str, device_index: int | None, dtype_name: str
 
     dtype = getattr(torch, dtype_name)
     if device_type == "cuda":
-        from tokenmill.sim.hardware import KNOWN
+        from tokenmill.perf.hardware import KNOWN
 
         name = torch.cuda.get_device_name(device_index)
         key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype_name, "bf16")

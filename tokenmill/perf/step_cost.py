@@ -4,7 +4,7 @@
 is a linear model of its seconds over that shape, fitted to steps timed on the machine at hand (at
 engine startup, or by ``tokenmill profile``); ``StepTimeTracker`` keeps the ratio of observed to
 predicted step time, so plans follow a machine that got busier or a fit that is off. The roofline
-(sim/cost.py) takes the same shapes. No tensors here.
+(perf/cost.py) takes the same shapes. No tensors here.
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""Step times measured on a live engine: the startup calibration a latency target plans with, and the points
+``tokenmill profile`` (sim/profile.py) fits a cost model to.
+
+Grid: decode batches of 1-64 requests at contexts of 128-1024 tokens, prefill chunks of 16-256 tokens at
+a few offsets, and mixed steps (decodes plus a chunk). Every step runs through the engine's own
+ModelRunner (forward pass and sampling), on blocks borrowed from its pool; each point is the median of
+a few runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 512, 1024)
+CHUNKS = (16, 64, 128, 256)
+CHUNK_STARTS = (0, 512)
+
+
+# What an engine with a latency target times at startup when no profile is given: decodes at a few batch
+# sizes and contexts, chunks at three offsets, mixed steps (about 1.5 s for the embedded model).
+STARTUP_GRID = ((1, 128, 0, 0), (2, 256, 0, 0), (8, 512, 0, 0), (32, 256, 0, 0), (16, 1024, 0, 0),
+                (0, 0, 16, 0), (0, 0, 32, 0), (0, 0, 128, 0), (0, 0, 128, 512), (0, 0, 256, 0), (0, 0, 64, 1024),
+                (8, 512, 64, 0), (4, 256, 64, 1024))
+
+
+def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
+    """(decode requests, their context, prefill chunk tokens, chunk start) per point."""
+    batches = DECODE_BATCHES[::2] if quick else DECODE_BATCHES
+    pts = [(b, c, 0, 0) for b in batches for c in CONTEXTS]
+    pts += [(0, 0, n, s) for n in CHUNKS for s in CHUNK_STARTS]
+    pts += [(b, 512, n, 0) for b in (4, 16) for n in (64, 256)]
+    return pts
+
+
+def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple[object, float]:  # noqa: ANN001
+    """(the step's SchedulerOutput, median seconds of the runner executing it)."""
+    import torch
+
+    from tokenmill.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    b, ctx, n, start = point
+    kv = engine.kv_cache
+    scheduled, new, ids = [], [], []
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    for i in range(b):
+        rid = f"__profile_d{i}"
+        table = kv.allocate_slots(rid, ctx)
+        scheduled.append(ScheduledRequest(rid, [1], ctx - 1, table, True))
+        new.append(NewRequestData(rid, [1] * (ctx - 1), [], sp, frozenset()))
+        ids.append(rid)
+    if n:
+        rid = "__profile_p"
+        table = kv.allocate_slots(rid, start + n)
+        scheduled.append(ScheduledRequest(rid, [1] * n, start, table, True))
+        new.append(NewRequestData(rid, [1] * (start + n), [], sp, frozenset()))
+        ids.append(rid)
+    if any(kv.block_tables.get(r) is None for r in ids):
+        for r in ids:
+            kv.free(r)
+        raise ValueError(f"the KV pool is too small for profile point {point}; raise --kv-cache-memory")
+    out = SchedulerOutput(scheduled, new, num_prefill_tokens=n, num_decode_tokens=b)
+    times = []
+    try:
+        with torch.inference_mode():
+            for r in range(repeats + 1):
+                step = out if r == 0 else SchedulerOutput(scheduled, [], num_prefill_tokens=n, num_decode_tokens=b)
+                t = time.perf_counter()
+                engine.runner.execute(step)
+                times.append(time.perf_counter() - t)
+                for s in scheduled:  # the runner appended a sampled token: keep the state as it was
+                    engine.runner.states[s.request_id].output_token_ids.clear()
+    finally:
+        engine.runner.execute(SchedulerOutput(finished_request_ids=list(ids)))
+        for r in ids:
+            kv.free(r)
+    return out, statistics.median(times[1:])
+
+
+def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001, ANN201
+    """(StepShapes, median seconds) of the points that fit the engine's context and KV pool; ``report(i, point,
+    seconds or why skipped)`` hears of each."""
+    from tokenmill.perf.step_cost import StepShape
+
+    shapes, seconds = [], []
+    for i, p in enumerate(points):
+        if max(p[1], p[2] + p[3]) > engine.max_model_len:
+            result = f"skipped: beyond the {engine.max_model_len}-token context"
+        else:
+            try:
+                out, result = measure(engine, p, repeats)
+                shapes.append(StepShape.of(out))
+                seconds.append(result)
+            except ValueError as e:  # the pool is too small for it
+                result = f"skipped: {e}"
+        if report is not None:
+            report(i, p, result)
+    return shapes, seconds
+
+
+def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
+    """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
+    from tokenmill.perf.step_cost import CalibratedCost
+
+    shapes, seconds = time_points(engine, points, repeats)
+    if len(shapes) < 2:
+        raise ValueError("too few calibration steps fit in the KV pool to plan step times; raise "
+                         "--kv-cache-memory, or give --step-cost-profile from `tokenmill profile`")
+    return CalibratedCost.fit(shapes, seconds), len(shapes)
+
+
