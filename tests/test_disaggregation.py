@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import KVRecv, KVSend, ModelRunnerOutput, Scheduler
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.kv_transfer.connector import KVConnector, kv_bytes_per_token
+from tokenmill.kv_transfer.connector import KVConnector
 from tokenmill.kv_transfer.frames import recv_header, send_header
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
@@ -180,7 +180,7 @@ def test_connector_moves_the_blocks_bit_for_bit(transport, quantized):
                 assert not ct[0].any()  # block 0 was not asked for
         # bytes = blocks x block size x (layers x 2 x KV heads x head dim x element bytes, plus the scales)
         per_token = 3 * 2 * 2 * 8 * (1 if quantized else 4) + (3 * 2 * 2 * 4 if quantized else 0)
-        assert kv_bytes_per_token(prod.kv_caches, BS) == per_token
+        assert sum(t[0].numel() * t.element_size() for layer in prod.kv_caches for t in layer) // BS == per_token
         assert rec.num_bytes == 2 * BS * per_token and rec.num_blocks == 2
         ((kind, rid, error, sent),) = _events(prod)
         assert (kind, rid, error, sent.num_bytes) == ("sent", "p", None, rec.num_bytes)

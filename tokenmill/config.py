@@ -81,11 +81,6 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 @dataclass(frozen=True)
 class CacheConfig:

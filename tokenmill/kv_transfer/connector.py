@@ -53,11 +53,6 @@ def prompt_hash(token_ids: list[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
 
 
-def kv_bytes_per_token(kv_caches, block_size: int) -> int:
-    """What one token's KV weighs in the payload: every layer's K and V, and their scales where quantized."""
-    return sum(t[0].numel() * t.element_size() for layer in kv_caches for t in layer) // block_size
-
-
 @dataclass
 class _Offer:
     block_ids: list[int]

@@ -19,6 +19,7 @@ from tokenmill.distributed.pipeline import pipelined_forward
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.perf.cost import kv_bytes_per_token
 from tokenmill.spec_decode.rejection import verify_drafts
 from tokenmill.structured_output import GrammarCompiler, RequestConstraints, banned_by_bad_words
 from tokenmill.sampling_params import SamplingParams
@@ -51,11 +52,13 @@ class _Launched:
     forward_s: float  # the driver's own part of the forward pass, at launch
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of K and V (and their scales) per token over all layers: what admission and metrics count."""
-    if kv_cache_dtype == "auto":
-        return cfg.kv_bytes_per_token * torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)  # 1-byte values + a float32 scale
+    """Bytes of K and V (and their scales) per token over all layers: what admission and metrics count, by
+    the one formula (perf/cost.py ``kv_bytes_per_token``) for the pool ``allocate_kv_cache`` lays out."""
+    return int(kv_bytes_per_token(cfg, _DTYPE_NAMES[dtype] if kv_cache_dtype == "auto" else kv_cache_dtype))
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
