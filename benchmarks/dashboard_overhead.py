@@ -71,7 +71,7 @@ def micro(steps_per_s: float) -> None:
 
     from tokenmill.config import ModelConfig
     from tokenmill.perf.step_cost import StepShape
-    from tokenmill.engine.async_engine import EngineSnapshot
+    from tokenmill.engine.streams import EngineSnapshot
     from tokenmill.engine.utilization import ProcessCpu, UtilizationMeter
     from tokenmill.models.registry import DEFAULT_MODEL
     from tokenmill.monitor.history import MetricsHistory

@@ -126,7 +126,7 @@ def test_expert_load_on_metrics_and_in_the_stats_log(built, prompt_ids, caplog):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tokenmill.engine.async_engine import EngineSnapshot
+    from tokenmill.engine.streams import EngineSnapshot
     from tokenmill.engine.stat_logger import LoggingStatLogger
     from tokenmill.layers.moe import expert_imbalance
     from tokenmill.server.metrics import ServerMetrics

@@ -28,7 +28,8 @@ from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
 from tokenmill.core.step_planner import SLOPlanner
-from tokenmill.engine.async_engine import AsyncEngine, EngineDrainingError, QueueFullError
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.streams import EngineDrainingError, QueueFullError
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.messages import CoreInfo

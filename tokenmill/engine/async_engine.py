@@ -23,171 +23,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from tokenmill.engine.messages import StepStats
-from tokenmill.core.step_planner import Forecast, SLOAdmission
+from tokenmill.core.step_planner import SLOAdmission
+from tokenmill.engine.streams import (AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineDrainingError,
+                                      EngineObserver, EngineSnapshot, QueueFullError, RequestStream, SLOShedError)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.async_engine")
 IDLE_CHECK_S = 0.25  # while idle, how often the loop looks whether an engine core process is still alive
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has died; no request can be served any more."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The engine is shutting down and admits no new requests."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound (max_waiting_requests)."""
-
-
-class SLOShedError(RuntimeError):
-    """The request's predicted time to first token misses its SLO: come back after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine state as of the last step or command batch (written by the engine thread only)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_open_streams: int = 0
-    busy_seconds: float = 0.0  # the engine core's time in steps since it started
-    forecast: Forecast | None = None  # with a latency target: the load TTFT is predicted from
-    time: float = 0.0  # time.perf_counter when taken
-    num_waiting_for_kv: int = 0  # disaggregation: consumer requests whose KV is arriving
-    num_kv_held: int = 0  # producer requests whose blocks wait for a consumer
-
-
-class EngineObserver(Protocol):
-    """Receives what the engine thread sees; called on the engine thread, so keep it quick. An observer
-    may also have ``on_admission(outcome)``: a request refused at admission ("ttft_slo", "queue_full")
-    or admitted under --slo-policy queue although predicted late ("predicted_miss"); SLO decisions are
-    told on the caller's thread."""
-
-    def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
-
-    def on_request_finished(self, output: RequestOutput, now: float) -> None: ...
-
-    def on_step(self, stats: StepStats) -> None: ...
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of cumulative RequestOutputs.
-
-    Iteration ends after the finished output. Leaving early (``aclose``/``abort``, or the
-    consumer going away) aborts the request; aborting a finished request does nothing.
-    """
-
-    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._loop = loop
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-        self.finished = False  # the finished output was consumed, or an error ended the stream
-        self._closed = False
-
-    # -- called on the event loop (posted by the engine thread) --
-    def _put(self, out: RequestOutput) -> None:
-        self._latest = out  # cumulative: the newest output holds everything the older ones did
-        self._event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
-        self._event.set()
-
-    # -- consumer side --
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._latest is not None:
-                out, self._latest = self._latest, None
-                if out.finished:
-                    self.finished = True
-                return out
-            if self._error is not None:
-                self.finished = True
-                raise self._error
-            if self.finished or self._closed:
-                raise StopAsyncIteration
-            self._event.clear()
-            await self._event.wait()
-
-    def abort(self) -> None:
-        """Abort the request unless it already finished. Thread-safe, idempotent, non-blocking."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.finished:
-            self._engine.abort(self.request_id)
-        # wake a consumer waiting in __anext__, so it ends now
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._event.set()
-        else:
-            try:
-                self._loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the loop is closed
-                pass
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    def __del__(self) -> None:  # safety net: a forgotten stream must not keep its request running
-        try:
-            if not self.finished and not self._closed:
-                self._engine.abort(self.request_id)
-        except Exception:
-            pass
-
-
-@dataclass
-class _Add:
-    prompt: Any
-    params: SamplingParams
-    request_id: str
-    priority: int
-    add_special_tokens: bool
-    arrival_time: float | None
-    stream: RequestStream
-    future: concurrent.futures.Future
-    slo_tpot_ms: float | None = None
-    admitted: list | None = None  # its entry in AsyncEngine._admitted, where SLO admission counted it
-    kv_transfer_params: dict | None = None  # prefill/decode disaggregation (LLMEngine.add_request)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future
 
 
 class AsyncEngine:
@@ -311,7 +156,7 @@ class AsyncEngine:
                 stream.finished = True
                 raise EngineDrainingError("the server is shutting down and admits no new requests")
             admitted = self._admit(num_tokens, params, priority, slo_ttft_ms, stream) if num_tokens else None
-            self._commands.append(_Add(prompt, params, request_id, priority, add_special_tokens,
+            self._commands.append(AddCommand(prompt, params, request_id, priority, add_special_tokens,
                                        arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params))
         self._wakeup.set()
         try:
@@ -377,7 +222,7 @@ class AsyncEngine:
         with self._cmd_lock:
             if self._dead or not self.is_running:
                 return  # nothing runs any more: nothing to abort
-            self._commands.append(_Abort(request_id))
+            self._commands.append(AbortCommand(request_id))
         self._wakeup.set()
 
     def abort_all(self) -> concurrent.futures.Future:
@@ -394,7 +239,7 @@ class AsyncEngine:
             if self._dead or not self.is_running:
                 future.set_exception(EngineDeadError("the engine loop is not running"))
                 return future
-            self._commands.append(_Call(fn, future))
+            self._commands.append(CallCommand(fn, future))
         self._wakeup.set()
         return future
 
@@ -434,9 +279,9 @@ class AsyncEngine:
                 if not self._commands:
                     return
                 cmd = self._commands.popleft()
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, AddCommand):
                 self._apply_add(cmd)
-            elif isinstance(cmd, _Abort):
+            elif isinstance(cmd, AbortCommand):
                 self._apply_abort(cmd.request_id)
             else:
                 if cmd.future.set_running_or_notify_cancel():
@@ -445,7 +290,7 @@ class AsyncEngine:
                     except BaseException as e:  # noqa: BLE001
                         cmd.future.set_exception(e)
 
-    def _apply_add(self, cmd: _Add) -> None:
+    def _apply_add(self, cmd: AddCommand) -> None:
         if not cmd.future.set_running_or_notify_cancel():
             self._forget_admission(cmd.admitted)
             return
@@ -566,7 +411,7 @@ class AsyncEngine:
             pending, self._commands = list(self._commands), deque()
         err = EngineDrainingError("the server is shutting down")
         for cmd in pending:
-            if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
+            if isinstance(cmd, (AddCommand, CallCommand)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(err)
         with self._cmd_lock:  # anything that raced in after the thread stopped is refused by add_request
             self._accepting = False
@@ -599,7 +444,7 @@ class AsyncEngine:
         dead = EngineDeadError(f"the engine loop died: {exc!r}")
         dead.__cause__ = exc
         for cmd in pending:
-            if isinstance(cmd, (_Add, _Call)) and cmd.future.set_running_or_notify_cancel():
+            if isinstance(cmd, (AddCommand, CallCommand)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(dead)
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from tokenmill.engine.async_engine import EngineSnapshot
+from tokenmill.engine.streams import EngineSnapshot
 from tokenmill.engine.messages import StepStats
 from tokenmill.engine.utilization import PHASES, Nvml, UtilizationMeter
 from tokenmill.outputs import RequestOutput

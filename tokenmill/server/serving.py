@@ -10,13 +10,8 @@ from dataclasses import dataclass, field
 
 from fastapi.exceptions import RequestValidationError
 
-from tokenmill.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineDrainingError,
-    QueueFullError, SLOShedError,
-    RequestStream,
-)
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.streams import EngineDeadError, EngineDrainingError, QueueFullError, RequestStream, SLOShedError
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
 from tokenmill.server.logprobs import _TokenText
 from tokenmill.server.protocol import OpenAIError, bad_request

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
 
-from tokenmill.engine.async_engine import EngineDeadError, RequestStream
+from tokenmill.engine.streams import EngineDeadError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.protocol import OpenAIError
 from tokenmill.server.responses import _sse
