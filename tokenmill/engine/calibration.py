@@ -9,8 +9,18 @@ a few runs.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+from tokenmill.perf.step_cost import CalibratedCost, StepShape
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core import EngineCore
+
+logger = logging.getLogger("tokenmill")
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512, 1024)
@@ -82,8 +92,6 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
 def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001, ANN201
     """(StepShapes, median seconds) of the points that fit the engine's context and KV pool; ``report(i, point,
     seconds or why skipped)`` hears of each."""
-    from tokenmill.perf.step_cost import StepShape
-
     shapes, seconds = [], []
     for i, p in enumerate(points):
         if max(p[1], p[2] + p[3]) > engine.max_model_len:
@@ -102,8 +110,6 @@ def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001,
 
 def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
     """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
-    from tokenmill.perf.step_cost import CalibratedCost
-
     shapes, seconds = time_points(engine, points, repeats)
     if len(shapes) < 2:
         raise ValueError("too few calibration steps fit in the KV pool to plan step times; raise "
@@ -111,3 +117,22 @@ def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
     return CalibratedCost.fit(shapes, seconds), len(shapes)
 
 
+def startup_step_cost(core: EngineCore, config: EngineConfig) -> CalibratedCost:
+    """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
+    steps timed on this machine (about 1.5 s for the embedded model)."""
+    if config.step_cost_profile:
+        cost = CalibratedCost.load(config.step_cost_profile)
+        made_for = cost.meta.get("model")
+        if made_for and made_for != core.model_name:
+            logger.warning("--step-cost-profile %s was measured on %s, not %s: plans will be off until the "
+                           "observed step times correct them", config.step_cost_profile, made_for,
+                           core.model_name)
+        return cost
+    t = time.perf_counter()
+    cost, n = calibrate(core, STARTUP_GRID, repeats=1)
+    s = config.scheduler
+    logger.info("step cost: %d steps timed in %.1f s; a decode step predicted %.1f ms at batch 1, %.1f ms at "
+                "32; a 256-token chunk %.1f ms (planning to %s ms per step)", n, time.perf_counter() - t,
+                1e3 * cost(StepShape.planned(1, 256, 0, 0)), 1e3 * cost(StepShape.planned(32, 32 * 256, 0, 0)),
+                1e3 * cost(StepShape.planned(0, 0, 256, 0)), s.slo_tpot_ms or s.itl_target_ms)
+    return cost

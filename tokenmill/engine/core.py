@@ -15,9 +15,10 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
 from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
-from tokenmill.perf.step_cost import CalibratedCost, StepShape  # noqa: E402
+from tokenmill.perf.step_cost import StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
-from tokenmill.engine.calibration import STARTUP_GRID, calibrate  # noqa: E402
+from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
+from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
 from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
@@ -28,7 +29,6 @@ from tokenmill.request import Request, RequestStatus  # noqa: E402
 from tokenmill.perf.cost import step_bytes, step_flops  # noqa: E402
 from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
 from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
-from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel  # noqa: E402
 from tokenmill.spec_decode.stats import step_acceptance  # noqa: E402
 from tokenmill.structured_output import GrammarCompiler, build_constraints  # noqa: E402
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
@@ -129,7 +129,7 @@ class EngineCore:
         if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
             raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
                              f"{self.max_model_len}-token context; use fewer")
-        draft = self._load_drafter(spec, phase) if spec.speculative_method == "draft" else None
+        draft = load_drafter(self, spec, phase) if spec.speculative_method == "draft" else None
 
         cache = config.cache
         # The drafter's KV rides on the target's blocks: one pool, sized for both per block. Under tensor
@@ -177,10 +177,10 @@ class EngineCore:
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
-            proposer.draft_cost = self._measure_draft_cost(proposer)
+            proposer.draft_cost = measure_draft_cost(self, proposer)
             phase("speculative off rule")
         if config.scheduler.plans_steps:
-            self.scheduler.planner = SLOPlanner(config.scheduler, self._step_cost(config))
+            self.scheduler.planner = SLOPlanner(config.scheduler, startup_step_cost(self, config))
             phase("step cost")
         if config.kv_transfer.kv_role is not None:
             self._start_kv_transfer(config, kv_tensors, tp, draft)
@@ -277,78 +277,6 @@ class EngineCore:
         # Fault injection for the failure tests: a step raises as a failing forward pass would.
         fault = os.environ.get(FAULT_ENV)
         self._fault_step = int(fault) if fault else None
-
-    def _step_cost(self, config: EngineConfig) -> CalibratedCost:
-        """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
-        steps timed on this machine (about 1.5 s for the embedded model)."""
-        if config.step_cost_profile:
-            cost = CalibratedCost.load(config.step_cost_profile)
-            made_for = cost.meta.get("model")
-            if made_for and made_for != self.model_name:
-                logger.warning("--step-cost-profile %s was measured on %s, not %s: plans will be off until the "
-                               "observed step times correct them", config.step_cost_profile, made_for,
-                               self.model_name)
-            return cost
-        t = time.perf_counter()
-        cost, n = calibrate(self, STARTUP_GRID, repeats=1)
-        s = config.scheduler
-        logger.info("step cost: %d steps timed in %.1f s; a decode step predicted %.1f ms at batch 1, %.1f ms at "
-                    "32; a 256-token chunk %.1f ms (planning to %s ms per step)", n, time.perf_counter() - t,
-                    1e3 * cost(StepShape.planned(1, 256, 0, 0)), 1e3 * cost(StepShape.planned(32, 32 * 256, 0, 0)),
-                    1e3 * cost(StepShape.planned(0, 0, 256, 0)), s.slo_tpot_ms or s.itl_target_ms)
-        return cost
-
-    def _load_drafter(self, spec, phase):
-        """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
-        and to reach its context length."""
-        source = resolve_model(spec.speculative_model)
-        draft = load_model(source, self.dtype, self.device, quantization=spec.speculative_quantization)
-        ours, theirs = self.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
-        if draft.config.vocab_size != self.model_config.vocab_size or ours != theirs:
-            raise ValueError(
-                f"--speculative-model {spec.speculative_model!r} has a different vocabulary from the target "
-                f"({draft.config.vocab_size} vs {self.model_config.vocab_size} ids, "
-                f"{len(set(ours.items()) ^ set(theirs.items()))} entries differ): a draft model must share the "
-                "target's tokenizer")
-        if draft.max_model_len < self.max_model_len:
-            raise ValueError(f"--speculative-model reaches {draft.max_model_len} tokens of context, the target "
-                             f"{self.max_model_len}: pass --max-model-len {draft.max_model_len} or less")
-        phase("draft model")
-        logger.info("speculative decoding: draft model %s (%s, weights %s), up to %d drafts per step",
-                    source.name, draft.config.architecture, draft.quantization, spec.num_speculative_tokens)
-        return draft
-
-    @torch.inference_mode()
-    def _measure_draft_cost(self, proposer) -> DraftCostModel:
-        """The off rule's c on this machine, against the batch: a draft's share of a decode step
-        (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
-        k = proposer.k
-        sizes = sorted({min(n, self.max_model_len) for n in PROBE_SIZES})
-        table = self.kv_cache.allocate_slots("__probe__", sizes[-1])
-        if table is None:  # a pool too small to probe in: the constant
-            return proposer.draft_cost
-        try:
-            # The fastest of 3 rounds over all sizes (noise only ever slows a step down, and rounds spread
-            # it over the sizes instead of one size taking a burst); one pass for the slow large sizes.
-            def curve(runner) -> dict[int, float]:
-                runner.time_forward(1, table, 1)  # warm-up
-                best: dict[int, float] = {}
-                for r in range(3):
-                    for n in sizes:
-                        if r == 0 or n <= 64:
-                            t = runner.time_forward(n, table, 1, warm_up=False)
-                            best[n] = min(best.get(n, t), t)
-                return best
-
-            target = curve(self.runner)
-            drafter = getattr(proposer, "runner", None)
-            drafts = None if drafter is None else curve(drafter)
-        finally:
-            self.kv_cache.free("__probe__")
-        cost = DraftCostModel(target, drafts, k)
-        logger.info("speculative decoding: %d drafts cost %s decode steps at batch 1/8/32 here; each request "
-                    "drafts what its acceptance pays for", k, "/".join(f"{cost(b)(k):.2f}" for b in (1, 8, 32)))
-        return cost
 
     # ---- requests --------------------------------------------------------------------
 
