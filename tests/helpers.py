@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from tokenmill.core.scheduler import ScheduledRequest
+from tokenmill.core.sched_output import ScheduledRequest
 from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
 
 # Kernel tests skip only where the kernels cannot exist (not x86 with AVX2, or no compiler); where they

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.cli import main
-from tokenmill.core.scheduler import ModelRunnerOutput
+from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.engine.messages import StepStats
 from tokenmill.perf.roofline import Roofline
 from tokenmill.engine.utilization import UtilizationMeter

@@ -11,7 +11,8 @@ import torch
 
 from tokenmill.config import EngineConfig, KVTransferConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import KVRecv, KVSend, ModelRunnerOutput, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import KVRecv, KVSend, ModelRunnerOutput
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.kv_transfer.connector import KVConnector
 from tokenmill.kv_transfer.frames import recv_header, send_header

@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import BlockPool, KVCacheManager, cdiv
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 

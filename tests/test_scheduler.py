@@ -18,7 +18,8 @@ import pytest
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 

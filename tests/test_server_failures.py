@@ -26,7 +26,8 @@ import pytest
 
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.core.step_planner import SLOPlanner
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDrainingError, QueueFullError

@@ -15,7 +15,8 @@ from tokenmill.bench.datasets import SampleRequest
 from tokenmill.bench.metrics import calculate_metrics
 from tokenmill.config import ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.perf.step_cost import CalibratedCost, StepShape
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams

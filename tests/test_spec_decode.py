@@ -303,7 +303,7 @@ def test_n_completions_with_speculation_equal_those_without(llm_default, spec_ll
 
 
 def test_acceptance_summary():
-    from tokenmill.core.scheduler import ScheduledRequest
+    from tokenmill.core.sched_output import ScheduledRequest
     from tokenmill.spec_decode.stats import step_acceptance, summarize
 
     sched = [ScheduledRequest("a", [5, 1, 2, 3], 10, [0], True, 3), ScheduledRequest("b", [7], 4, [1], True),

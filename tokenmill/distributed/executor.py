@@ -326,7 +326,7 @@ def _worker(config: EngineConfig, rank: int, port: int) -> None:
 @torch.inference_mode()
 def _serve(config: EngineConfig, group: TPGroup) -> None:
     """Load this rank's shard, allocate its KV shard, run the driver's forward passes until Stop."""
-    from tokenmill.core.scheduler import ScheduledRequest
+    from tokenmill.core.sched_output import ScheduledRequest
     from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels
     from tokenmill.models.loader import load_model
     from tokenmill.models.registry import resolve_model

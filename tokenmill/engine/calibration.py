@@ -48,7 +48,7 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
     """(the step's SchedulerOutput, median seconds of the runner executing it)."""
     import torch
 
-    from tokenmill.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+    from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
     from tokenmill.sampling_params import SamplingParams
 
     b, ctx, n, start = point

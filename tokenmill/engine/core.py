@@ -14,7 +14,8 @@ TORCH_IMPORT_S = time.perf_counter() - _t
 
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
+from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.perf.step_cost import StepShape  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.calibration import startup_step_cost  # noqa: E402

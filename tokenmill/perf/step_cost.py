@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tokenmill.core.sched_output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class StepShape:
         return self.prefill_tokens + self.decode_tokens
 
     @classmethod
-    def of(cls, sched) -> "StepShape":  # noqa: ANN001 -- a core.scheduler.SchedulerOutput
+    def of(cls, sched: SchedulerOutput) -> "StepShape":
         attn = kv = dec_ctx = sampled = 0
         for s in sched.scheduled:
             n, start = len(s.token_ids), s.start_pos

@@ -51,7 +51,8 @@ from tokenmill.bench.client import RequestResult
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.sched_output import KVRecv, ModelRunnerOutput
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.perf.step_cost import StepShape
@@ -403,7 +404,7 @@ class _Run:
             x.sched.planner.observe(shape, dt)
         x.flight.append((out, shape, dt, draft_s, x.now, during, x.now + dt))
 
-    def _pull(self, x: _Instance, recv) -> None:  # noqa: ANN001 -- a core.scheduler.KVRecv
+    def _pull(self, x: _Instance, recv: KVRecv) -> None:
         """A decode instance asks for a request's KV: prompt tokens [first_block x block_size, n - 1) move
         from its producer once both instances' links are free, each link one transfer at a time."""
         k = int(recv.request_id)

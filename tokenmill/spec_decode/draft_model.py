@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from tokenmill.core.scheduler import ScheduledRequest
+from tokenmill.core.sched_output import ScheduledRequest
 from tokenmill.spec_decode.policy import DRAFT_COST, constant_cost
 from tokenmill.spec_decode.rejection import sample_from
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.core.scheduler import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.pipeline import pipelined_forward
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch

@@ -1,0 +1,91 @@
+"""The scheduler-to-runner contract: what a step asks the model runner to compute (``SchedulerOutput``) and what
+comes back (``ModelRunnerOutput``). Imports nothing of tokenmill at run time, so the runner, its workers, the
+drafters, the KV connector and the simulator depend on these types, not on the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, when the runner first sees a request (it keeps sampling state per request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    constraints: Any = None  # structured_output.RequestConstraints: a grammar, bad words
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the ids to compute this step
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]
+    needs_logits: bool  # this chunk ends the known tokens: sample the next one
+    num_draft_tokens: int = 0  # speculative decoding: token_ids[1:] are drafts to verify (logits for each)
+    draft_probs: Any = None  # the [drafts, vocab] distributions sampled drafts came from; None: point drafts
+
+
+@dataclass(frozen=True)
+class KVRecv:
+    """Disaggregation, consumer side: fill ``block_ids`` (the request's table from ``first_block`` on) with
+    the KV of prompt tokens [first_block x block_size, num_tokens) held by the producer ``remote``."""
+
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+    prompt_token_ids: list[int]
+    remote: dict
+
+
+@dataclass(frozen=True)
+class KVSend:
+    """Disaggregation, producer side: a finished request's blocks, held until a consumer pulls them."""
+
+    request_id: str
+    block_ids: list[int]
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # preemption by swap, done by the runner before the step's forward pass, in this order:
+    # (request id, its blocks in position order) to copy to host memory, then
+    # (request id, the fresh blocks) to copy its saved KV back into
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    kv_recv: list[KVRecv] = field(default_factory=list)  # disaggregation: KV the connector is to pull
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What comes back from a step: sampled ids (a list per request, for speculative decoding
+    later) and, where asked, logprobs as (sampled token logprob, [(token, logprob), ...top-n])."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # prompt logprobs, once a request's prompt is done: [None, {token: logprob, top...} per prompt token]
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
