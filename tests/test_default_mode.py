@@ -230,14 +230,14 @@ def test_preempted_requests_get_the_same_bits(llm_default, mode, monkeypatch):
     """A pool too small for every request at once: preempted requests (their KV recomputed, or swapped
     out and back) end with the tokens and logprobs they get alone, greedy and seeded-sampled."""
     from tokenmill import LLM
-    from tokenmill.engine import core as engine_core
+    from tokenmill.engine import builder as engine_builder
 
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True, logprobs=2)]
     alone = [[llm_default.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in PREEMPT_PROMPTS]
              for sp in params]
     if mode == "swap":  # refused on the CPU, where the KV is already in host memory; the same code runs here
-        monkeypatch.setattr(engine_core, "SWAP_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(engine_builder, "SWAP_DEVICES", ("cuda", "cpu"))
     small = LLM(kv_cache_memory=str(12 * 16 * llm_default.engine.kv_bytes_per_token), max_model_len=2048,
                 preemption_mode=mode)
     for sp, ref in zip(params, alone):

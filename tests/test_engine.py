@@ -68,14 +68,14 @@ def test_swap_preemption_gives_same_outputs_without_recompute(llm, mixed_alone, 
     """--preemption-mode swap: a preempted request's KV goes to host memory and comes back, so no
     prompt is computed twice. On the CPU the engine refuses it (pointless); the test lets the same
     code run here."""
-    from tokenmill.engine import core as engine_core
+    from tokenmill.engine import builder as engine_builder
 
     block_bytes = llm.engine.kv_bytes_per_token * 16
     kw = dict(dtype="float32", quantization="none", kv_cache_memory=str(14 * block_bytes), max_model_len=2048,
               preemption_mode="swap")
     with pytest.raises(ValueError, match="already in host memory"):
         LLM(**kw)
-    monkeypatch.setattr(engine_core, "SWAP_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(engine_builder, "SWAP_DEVICES", ("cuda", "cpu"))
     small = LLM(**kw)
     outs = small.generate(MIXED, GREEDY, use_tqdm=False)
     eng = small.engine

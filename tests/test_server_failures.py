@@ -31,7 +31,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.core.step_planner import SLOPlanner
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDrainingError, QueueFullError
-from tokenmill.engine.core import EngineCore
+from tokenmill.engine.core import CoreParts, EngineCore
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.messages import CoreInfo
 from tokenmill.structured_output import GrammarCompiler
@@ -85,22 +85,18 @@ def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: i
     """An LLMEngine whose model is a FakeRunner; everything else is the real engine code. With a
     ``scheduler`` config that sets latency targets, ``cost`` (StepShape -> seconds) is its planner's model."""
     tok = tokenizer or tiny_tokenizer()
-    core = EngineCore.__new__(EngineCore)
-    core.config = EngineConfig(scheduler=scheduler or SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                                      max_num_batched_tokens=4096))
-    core.model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
-    core.tokenizer = tok
-    core.kv_cache = KVCacheManager(num_blocks, block_size)
-    core.scheduler = Scheduler(core.config.scheduler, core.kv_cache, max_model_len)
-    if core.config.scheduler.plans_steps:
-        core.scheduler.planner = SLOPlanner(core.config.scheduler, cost)
-    core.runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
-    core.grammars = GrammarCompiler(tok, tok.vocab_size)
-    core.info = CoreInfo("fake", "fake", core.model_config, max_model_len, "float32", "none", num_blocks, block_size,
-                         0, False, core.config)
-    core.weight_bytes = core.kv_bytes_per_token = 0
-    core.start_loop()
-    return LLMEngine.from_core(core)
+    config = EngineConfig(scheduler=scheduler or SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
+    model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
+    kv_cache = KVCacheManager(num_blocks, block_size)
+    sched = Scheduler(config.scheduler, kv_cache, max_model_len)
+    if config.scheduler.plans_steps:
+        sched.planner = SLOPlanner(config.scheduler, cost)
+    runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
+    info = CoreInfo("fake", "fake", model_config, max_model_len, "float32", "none", num_blocks, block_size, 0, False,
+                    config)
+    parts = CoreParts(model_config, tok, max_model_len, kv_cache, sched, runner, GrammarCompiler(tok, tok.vocab_size),
+                      info)
+    return LLMEngine.from_core(EngineCore(config, parts))
 
 
 @contextlib.contextmanager

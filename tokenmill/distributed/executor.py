@@ -336,7 +336,7 @@ def _serve(config: EngineConfig, group: TPGroup) -> None:
     torch.manual_seed(config.seed)
     device = group.device
     dtype = resolve_dtype(config.dtype, device, cpu_kernels=device.type == "cpu" and cpu_kernels() is not None)
-    apply_activation_precision(config.activation_precision, device)  # as the driver did (engine/core.py)
+    apply_activation_precision(config.activation_precision, device)  # as the driver did (engine/builder.py)
     loaded = load_model(resolve_model(config.model), dtype, device, config.max_model_len,
                         quantization=config.quantization, tp=group)
     num_blocks = int(group.broadcast_bytes(None))

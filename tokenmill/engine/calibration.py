@@ -18,7 +18,7 @@ from tokenmill.perf.step_cost import CalibratedCost, StepShape
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.builder import CoreBuilder
 
 logger = logging.getLogger("tokenmill")
 
@@ -117,7 +117,7 @@ def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
     return CalibratedCost.fit(shapes, seconds), len(shapes)
 
 
-def startup_step_cost(core: EngineCore, config: EngineConfig) -> CalibratedCost:
+def startup_step_cost(core: CoreBuilder, config: EngineConfig) -> CalibratedCost:
     """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
     steps timed on this machine (about 1.5 s for the embedded model)."""
     if config.step_cost_profile:

@@ -6,44 +6,36 @@ import collections
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 _t = time.perf_counter()
 import torch  # noqa: E402 -- timed: the first startup phase
 
 TORCH_IMPORT_S = time.perf_counter() - _t
 
-from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
-from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.core.kv_cache import KVCacheManager  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
-from tokenmill.core.sched_output import ModelRunnerOutput
+from tokenmill.core.sched_output import ModelRunnerOutput  # noqa: E402
 from tokenmill.perf.step_cost import StepShape  # noqa: E402
-from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
-from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
-from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
-from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
-from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
-from tokenmill.models.loader import load_model  # noqa: E402
-from tokenmill.models.registry import resolve_model  # noqa: E402
-from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
 from tokenmill.request import Request, RequestStatus  # noqa: E402
 from tokenmill.perf.cost import step_bytes, step_flops  # noqa: E402
-from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
-from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
 from tokenmill.spec_decode.stats import step_acceptance  # noqa: E402
 from tokenmill.structured_output import GrammarCompiler, build_constraints  # noqa: E402
-from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
+
+if TYPE_CHECKING:
+    from tokenmill.config import ModelConfig
+    from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
-# Devices whose KV cache is not host memory, where --preemption-mode swap pays (tests add "cpu" to
-# exercise the same code on this machine).
-SWAP_DEVICES = ("cuda",)
 # The failure tests' hook: the model runner raises at this step of the engine core (1-based).
 FAULT_ENV = "TOKENMILL_FAULT_AT_STEP"
 KV_POLL_S = 0.005  # with only KV transfers pending, how long a step waits for one to end (or for a request)
 
 
-def _device_uuid(device: torch.device) -> str | None:
+def device_uuid(device: torch.device) -> str | None:
     """A GPU's UUID as NVML spells it ("GPU-..."), or None."""
     if device.type != "cuda":
         return None
@@ -77,6 +69,30 @@ class StartupPhases:
         logger.debug("startup: %s %.3f s (peak resident %s)", name, self.seconds[name], peak)
 
 
+@dataclass
+class CoreParts:
+    """What an engine core runs on: the model's description and tokenizer, the KV cache and the scheduler over
+    it, the model runner (or anything with its interface), the grammar compiler, what the core reports about
+    itself (``info``, the weight and KV bytes a step's figures count), and the tensor-parallel executor and KV
+    connector where there are ones (the core stops them at shutdown)."""
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    runner: Any
+    grammars: GrammarCompiler
+    info: CoreInfo
+    weight_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    executor: Any = None
+    kv_connector: Any = None
+    startup: StartupPhases | None = None
+    device: torch.device | None = None  # where the model runs, and its compute dtype (for tools that look inside)
+    dtype: torch.dtype | None = None
+
+
 class EngineCore:
     """The scheduler, the KV cache and the model runner: requests in, one step's new tokens out.
 
@@ -84,178 +100,16 @@ class EngineCore:
     the API server's (engine/core_process.py).
     """
 
-    kv_connector = None  # prefill/decode disaggregation (kv_transfer/connector.py), with --kv-role
-
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: CoreParts) -> None:
+        """Holds its parts (engine/builder.py ``build_core`` makes them from a config; tests assemble them
+        around a fake runner) and starts the step loop's bookkeeping."""
         self.config = config
-        self.executor = None  # tensor parallelism: the worker ranks (distributed/executor.py)
-        try:
-            self._build(config)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _build(self, config: EngineConfig) -> None:
-        phase = self.startup = StartupPhases()
-        self.device = resolve_device(config.device)
-        if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
-            raise ValueError(
-                f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
-                "the KV cache is already in host memory, so it would only copy it to itself: use 'recompute'")
-        torch.manual_seed(config.seed)
-        source = resolve_model(config.model)
-        self.model_name = source.name
-        self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
-        # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
-        # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
-        self.dtype = resolve_dtype(config.dtype, self.device,
-                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
-        self.activation_precision = apply_activation_precision(config.activation_precision, self.device)
-        phase("kernels")
-        tp = None
-        if config.parallel.world_size > 1:
-            tp = self._start_parallel(config, source)
-            phase("parallel workers")
-        elif config.parallel.enable_expert_parallel:
-            logger.warning("--enable-expert-parallel has no effect with --tensor-parallel-size 1 (one rank holds "
-                           "every expert)")
-        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
-                            phase=phase, tp=tp)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = loaded.max_model_len
-        self.quantization = loaded.quantization  # "auto" resolved
-
-        spec = config.speculative
-        if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
-            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
-                             f"{self.max_model_len}-token context; use fewer")
-        draft = load_drafter(self, spec, phase) if spec.speculative_method == "draft" else None
-
-        cache = config.cache
-        # The drafter's KV rides on the target's blocks: one pool, sized for both per block. Under tensor
-        # parallelism each rank holds its KV heads (loaded.model.cfg: this rank's view): sized per rank.
-        shard_config = loaded.model.cfg
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(shard_config, self.dtype, cache.kv_cache_dtype)
-        if draft is not None:
-            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
-        block_bytes = self.kv_bytes_per_token * cache.block_size
-        budget = parse_memory(cache.kv_cache_memory)
-        num_blocks, why = size_kv_pool(budget, free_memory_bytes(self.device) if budget[0] == "fraction" else 0,
-                                       block_bytes, cache.block_size, config.scheduler.max_num_seqs,
-                                       self.max_model_len)
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {cache.kv_cache_memory!r} holds no KV block of {block_bytes} bytes; "
-                "raise --kv-cache-memory"
-            )
-        # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
-        salt = (f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}|"
-                f"{self.activation_precision}").encode()
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
-        # Where every token's attention reads only the slots its context has written (the CPU kernels'
-        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
-        kv_tensors = allocate_kv_cache(shard_config, num_blocks, cache.block_size, self.dtype, self.device,
-                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
-        if self.executor is not None:
-            self.executor.start_workers(num_blocks)
-        proposer = None
-        if spec.speculative_method == "ngram":
-            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif draft is not None:
-            draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
-                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
-            proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
-                                                      config.seed + 1), cache.block_size,
-                                          spec.num_speculative_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
-        phase("KV pool")
-        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
-        self.runner.executor = self.executor
-        if tp is not None and tp.pipeline:
-            self.runner.pipeline = (tp, config.parallel.micro_batches)
-            self.scheduler.lanes = config.parallel.batches_in_flight
-        # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
-        self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        if proposer is not None:
-            proposer.draft_cost = measure_draft_cost(self, proposer)
-            phase("speculative off rule")
-        if config.scheduler.plans_steps:
-            self.scheduler.planner = SLOPlanner(config.scheduler, startup_step_cost(self, config))
-            phase("step cost")
-        if config.kv_transfer.kv_role is not None:
-            self._start_kv_transfer(config, kv_tensors, tp, draft)
-        self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
-        # a known GPU's datasheet costs nothing; a measurement only where a server reports it
-        roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."),
-                                    config.measure_roofline)
-        phase("roofline")
-        self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
-                             str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
-                             cache.block_size, self.kv_bytes_per_token, proposer is not None, config,
-                             str(self.device), _device_uuid(self.device), roofline,
-                             list(self.kv_connector.address) if self.kv_connector and self.kv_connector.address
-                             else None)
-        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
-                    self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
-                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
+        self.model_config, self.tokenizer, self.max_model_len = parts.model_config, parts.tokenizer, parts.max_model_len
+        self.kv_cache, self.scheduler, self.runner, self.grammars = parts.kv_cache, parts.scheduler, parts.runner, parts.grammars
+        self.info, self.weight_bytes, self.kv_bytes_per_token = parts.info, parts.weight_bytes, parts.kv_bytes_per_token
+        self.executor, self.kv_connector, self.startup = parts.executor, parts.kv_connector, parts.startup
+        self.device, self.dtype = parts.device, parts.dtype
         self.start_loop()
-
-    def _start_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
-        """Check that the model splits (before any process starts), start the worker ranks; this rank's
-        TPGroup."""
-        from tokenmill.distributed.executor import (ExternalLauncherExecutor, TPExecutor, rank_device,
-                                                    run_torchrun_worker, torchrun_group, torchrun_rank)
-        from tokenmill.distributed.pipeline import check_pipeline_parallel
-        from tokenmill.distributed.sharding import check_tensor_parallel
-        from tokenmill.models.loader import model_config_of
-
-        par = config.parallel
-        t = par.world_size
-        if config.scheduler.preemption_mode == "swap":
-            raise ValueError("--preemption-mode swap is not supported with more than one rank "
-                             "(--tensor-parallel-size, --pipeline-parallel-size) yet")
-        model_cfg = model_config_of(source)
-        check_tensor_parallel(model_cfg, par.tensor_parallel_size,
-                              quantized=config.quantization in ("int8", "int4", "gguf"),
-                              expert_parallel=par.enable_expert_parallel)
-        check_pipeline_parallel(model_cfg, par.pipeline_parallel_size)
-        what = "pipeline" if par.pipeline_parallel_size > 1 else "tensor"
-        if config.parallel.distributed_executor_backend == "external_launcher":
-            rank, local_rank = torchrun_rank(config)
-            self.device = rank_device(self.device, local_rank)
-            if rank != 0:  # this process is a worker: serve rank 0's forward passes, then leave
-                run_torchrun_worker(config, self.device)
-                logger.info("torchrun rank %d: rank 0's engine shut down; exiting", rank)
-                raise SystemExit(0)
-            group = torchrun_group(config, self.device)
-            self.executor = ExternalLauncherExecutor(config, self.device, group)
-            logger.info("%s parallelism: %d torchrun ranks (%s)", what, t, "nccl" if self.device.type == "cuda"
-                        else "gloo")
-            return group
-        self.device = rank_device(self.device, 0)
-        self.executor = TPExecutor(config, self.device)
-        logger.info("%s parallelism: %d ranks (%s), workers %s", what, t, "nccl" if self.device.type == "cuda"
-                    else "gloo", self.executor.worker_pids)
-        return self.executor.group
-
-    def _start_kv_transfer(self, config: EngineConfig, kv_tensors, tp, draft) -> None:  # noqa: ANN001
-        """Prefill/decode disaggregation: this engine's side of the KV connector."""
-        from tokenmill.kv_transfer.connector import KVConnector
-
-        role = config.kv_transfer.kv_role
-        if tp is not None:
-            raise ValueError(f"--kv-role {role} with more than one rank (--tensor-parallel-size, "
-                             "--pipeline-parallel-size) is not built yet: the KV is sharded over the ranks")
-        if draft is not None:
-            raise ValueError(f"--kv-role {role} with a draft model is not built yet (the drafter's KV would have "
-                             "to travel too); use --speculative-method ngram or none")
-        cfg = self.model_config
-        layout = (f"{self.model_name}|{self.dtype}|{self.quantization}|act {self.activation_precision}|"
-                  f"kv {config.cache.kv_cache_dtype}|block "
-                  f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
-        self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
-        self.scheduler.recompute_failed_kv = config.kv_transfer.kv_load_failure_policy == "recompute"
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the KV connector, if any."""
@@ -265,7 +119,7 @@ class EngineCore:
             self.kv_connector.shutdown()
 
     def start_loop(self) -> None:
-        """The step loop's own bookkeeping (tests call it on a core assembled around a fake runner)."""
+        """The step loop's own bookkeeping."""
         self._sent: dict[str, int] = {}  # request id -> output tokens already reported
         self._busy = 0.0  # seconds spent in steps
         self._steps = 0

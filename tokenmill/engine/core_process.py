@@ -228,13 +228,13 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
     try:
         import msgspec
 
-        from tokenmill.engine.core import EngineCore
+        from tokenmill.engine.builder import build_core
 
         # This process is daemonic (it dies with the front end), and multiprocessing refuses children to
         # a daemonic process; its tensor-parallel workers are stopped by it, or exit by their own parent
         # watchdog when it dies (distributed/executor.py), so nothing is left behind.
         multiprocessing.current_process().daemon = False
-        core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+        core = build_core(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
         send(CoreReady(plain_info(core.info), os.getpid(), core.state()))
         gc.collect()
         gc.freeze()  # the model's and the pool's objects stay: collections under load skip them

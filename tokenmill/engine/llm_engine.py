@@ -45,9 +45,9 @@ class LLMEngine:
                 core.shutdown()
                 raise
         else:
-            from tokenmill.engine.core import EngineCore
+            from tokenmill.engine.builder import build_core
 
-            core = EngineCore(config)
+            core = build_core(config)
             tokenizer = core.tokenizer
         self._attach(config, core, tokenizer, core_process)
 
@@ -67,8 +67,7 @@ class LLMEngine:
             self.grammars = core.grammars
             # the in-process core's parts, for tests, benchmarks and tools that look inside
             self.scheduler, self.kv_cache, self.runner = core.scheduler, core.kv_cache, core.runner
-            self.device, self.dtype = getattr(core, "device", None), getattr(core, "dtype", None)
-            self.startup = getattr(core, "startup", None)
+            self.device, self.dtype, self.startup = core.device, core.dtype, core.startup
         self.model_name, self.model_path = info.model_name, Path(info.model_path)
         self.model_config, self.max_model_len = info.model_config, info.max_model_len
         self.quantization, self.kv_bytes_per_token = info.quantization, info.kv_bytes_per_token

@@ -113,7 +113,7 @@ class SimProposer:
 def draft_cost_model(target: Callable[[StepShape], float], drafter: Callable[[StepShape], float] | None,
                      k: int, max_model_len: int) -> DraftCostModel:
     """The off rule's cost of d drafts against the batch, built as the engine builds it at startup
-    (engine/core.py ``_measure_draft_cost``): the target's and the drafter's times over the probe sizes,
+    (engine/drafting.py ``measure_draft_cost``): the target's and the drafter's times over the probe sizes,
     here from the cost models instead of a stopwatch. drafter None: drafting is free (n-gram)."""
     sizes = sorted({min(n, max_model_len) for n in PROBE_SIZES})
     curve = lambda cost: {n: cost(probe_shape(n)) for n in sizes}  # noqa: E731

@@ -1,0 +1,224 @@
+"""Building an engine core from a config: the device and dtype, the tensor-parallel ranks, the model, the drafter,
+the KV pool, the scheduler and runner, the speculative off rule, the step-cost model, the KV connector and the
+roofline, in that order (``build_core``). EngineCore (core.py) only holds what this makes (CoreParts)."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.engine.core import CoreParts, EngineCore, StartupPhases, device_uuid  # first: times torch
+
+import torch  # noqa: E402
+
+from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
+from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
+from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
+from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
+from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
+from tokenmill.engine.messages import CoreInfo  # noqa: E402
+from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
+from tokenmill.models.loader import load_model  # noqa: E402
+from tokenmill.models.registry import resolve_model  # noqa: E402
+from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
+from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
+from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
+from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
+from tokenmill.structured_output import GrammarCompiler  # noqa: E402
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
+
+logger = logging.getLogger("tokenmill")
+# Devices whose KV cache is not host memory, where --preemption-mode swap pays (tests add "cpu" to
+# exercise the same code on this machine).
+SWAP_DEVICES = ("cuda",)
+
+
+def build_core(config: EngineConfig) -> EngineCore:
+    """The engine core for ``config``: what the offline LLM, the engine-core process and ``tokenmill profile``
+    run. A failure part way stops whatever had started (worker ranks, the KV connector) and raises."""
+    return CoreBuilder(config).build()
+
+
+class CoreBuilder:
+    """The state of a start-up in progress: what the drafter's checks, the off rule's probe and the step-cost
+    calibration (engine/drafting.py, engine/calibration.py) read as it goes (the device and dtype, the model's
+    config and tokenizer, the KV cache, the runner)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = None  # tensor parallelism: the worker ranks (distributed/executor.py)
+        self.kv_connector = None  # prefill/decode disaggregation (kv_transfer/connector.py), with --kv-role
+
+    def build(self) -> EngineCore:
+        try:
+            self._build(self.config)
+        except BaseException:
+            for part in (self.executor, self.kv_connector):
+                if part is not None:
+                    part.shutdown()
+            raise
+        return EngineCore(self.config, CoreParts(
+            self.model_config, self.tokenizer, self.max_model_len, self.kv_cache, self.scheduler, self.runner,
+            self.grammars, self.info, self.weight_bytes, self.kv_bytes_per_token, self.executor, self.kv_connector,
+            self.startup, self.device, self.dtype))
+
+    def _build(self, config: EngineConfig) -> None:
+        phase = self.startup = StartupPhases()
+        self.device = resolve_device(config.device)
+        if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
+            raise ValueError(
+                f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
+                "the KV cache is already in host memory, so it would only copy it to itself: use 'recompute'")
+        torch.manual_seed(config.seed)
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
+        # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
+        # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
+        self.activation_precision = apply_activation_precision(config.activation_precision, self.device)
+        phase("kernels")
+        tp = None
+        if config.parallel.world_size > 1:
+            tp = self._start_parallel(config, source)
+            phase("parallel workers")
+        elif config.parallel.enable_expert_parallel:
+            logger.warning("--enable-expert-parallel has no effect with --tensor-parallel-size 1 (one rank holds "
+                           "every expert)")
+        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
+                            phase=phase, tp=tp)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self.quantization = loaded.quantization  # "auto" resolved
+
+        spec = config.speculative
+        if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
+            raise ValueError(f"--num-speculative-tokens {spec.num_speculative_tokens} leaves no room in the "
+                             f"{self.max_model_len}-token context; use fewer")
+        draft = load_drafter(self, spec, phase) if spec.speculative_method == "draft" else None
+
+        cache = config.cache
+        # The drafter's KV rides on the target's blocks: one pool, sized for both per block. Under tensor
+        # parallelism each rank holds its KV heads (loaded.model.cfg: this rank's view): sized per rank.
+        shard_config = loaded.model.cfg
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(shard_config, self.dtype, cache.kv_cache_dtype)
+        if draft is not None:
+            self.kv_bytes_per_token += kv_cache_bytes_per_token(draft.config, self.dtype, cache.kv_cache_dtype)
+        block_bytes = self.kv_bytes_per_token * cache.block_size
+        budget = parse_memory(cache.kv_cache_memory)
+        num_blocks, why = size_kv_pool(budget, free_memory_bytes(self.device) if budget[0] == "fraction" else 0,
+                                       block_bytes, cache.block_size, config.scheduler.max_num_seqs,
+                                       self.max_model_len)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {cache.kv_cache_memory!r} holds no KV block of {block_bytes} bytes; "
+                "raise --kv-cache-memory"
+            )
+        # Anything that changes the KV values must change the salt, or a cached block could be reused wrongly.
+        salt = (f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}|"
+                f"{self.activation_precision}").encode()
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
+        # Where every token's attention reads only the slots its context has written (the CPU kernels'
+        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
+        kv_tensors = allocate_kv_cache(shard_config, num_blocks, cache.block_size, self.dtype, self.device,
+                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
+        if self.executor is not None:
+            self.executor.start_workers(num_blocks)
+        proposer = None
+        if spec.speculative_method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif draft is not None:
+            draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
+                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
+            proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
+                                                      config.seed + 1), cache.block_size,
+                                          spec.num_speculative_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
+        phase("KV pool")
+        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
+        self.runner.executor = self.executor
+        if tp is not None and tp.pipeline:
+            self.runner.pipeline = (tp, config.parallel.micro_batches)
+            self.scheduler.lanes = config.parallel.batches_in_flight
+        # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
+        self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        if proposer is not None:
+            proposer.draft_cost = measure_draft_cost(self, proposer)
+            phase("speculative off rule")
+        if config.scheduler.plans_steps:
+            self.scheduler.planner = SLOPlanner(config.scheduler, startup_step_cost(self, config))
+            phase("step cost")
+        if config.kv_transfer.kv_role is not None:
+            self._start_kv_transfer(config, kv_tensors, tp, draft)
+        self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
+        # a known GPU's datasheet costs nothing; a measurement only where a server reports it
+        roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."),
+                                    config.measure_roofline)
+        phase("roofline")
+        self.info = CoreInfo(self.model_name, str(self.model_path), self.model_config, self.max_model_len,
+                             str(self.dtype).removeprefix("torch."), self.quantization, num_blocks,
+                             cache.block_size, self.kv_bytes_per_token, proposer is not None, config,
+                             str(self.device), device_uuid(self.device), roofline,
+                             list(self.kv_connector.address) if self.kv_connector and self.kv_connector.address
+                             else None)
+        logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
+                    self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
+                    cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
+
+    def _start_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
+        """Check that the model splits (before any process starts), start the worker ranks; this rank's
+        TPGroup."""
+        from tokenmill.distributed.executor import (ExternalLauncherExecutor, TPExecutor, rank_device,
+                                                    run_torchrun_worker, torchrun_group, torchrun_rank)
+        from tokenmill.distributed.pipeline import check_pipeline_parallel
+        from tokenmill.distributed.sharding import check_tensor_parallel
+        from tokenmill.models.loader import model_config_of
+
+        par = config.parallel
+        t = par.world_size
+        if config.scheduler.preemption_mode == "swap":
+            raise ValueError("--preemption-mode swap is not supported with more than one rank "
+                             "(--tensor-parallel-size, --pipeline-parallel-size) yet")
+        model_cfg = model_config_of(source)
+        check_tensor_parallel(model_cfg, par.tensor_parallel_size,
+                              quantized=config.quantization in ("int8", "int4", "gguf"),
+                              expert_parallel=par.enable_expert_parallel)
+        check_pipeline_parallel(model_cfg, par.pipeline_parallel_size)
+        what = "pipeline" if par.pipeline_parallel_size > 1 else "tensor"
+        if config.parallel.distributed_executor_backend == "external_launcher":
+            rank, local_rank = torchrun_rank(config)
+            self.device = rank_device(self.device, local_rank)
+            if rank != 0:  # this process is a worker: serve rank 0's forward passes, then leave
+                run_torchrun_worker(config, self.device)
+                logger.info("torchrun rank %d: rank 0's engine shut down; exiting", rank)
+                raise SystemExit(0)
+            group = torchrun_group(config, self.device)
+            self.executor = ExternalLauncherExecutor(config, self.device, group)
+            logger.info("%s parallelism: %d torchrun ranks (%s)", what, t, "nccl" if self.device.type == "cuda"
+                        else "gloo")
+            return group
+        self.device = rank_device(self.device, 0)
+        self.executor = TPExecutor(config, self.device)
+        logger.info("%s parallelism: %d ranks (%s), workers %s", what, t, "nccl" if self.device.type == "cuda"
+                    else "gloo", self.executor.worker_pids)
+        return self.executor.group
+
+    def _start_kv_transfer(self, config: EngineConfig, kv_tensors, tp, draft) -> None:  # noqa: ANN001
+        """Prefill/decode disaggregation: this engine's side of the KV connector."""
+        from tokenmill.kv_transfer.connector import KVConnector
+
+        role = config.kv_transfer.kv_role
+        if tp is not None:
+            raise ValueError(f"--kv-role {role} with more than one rank (--tensor-parallel-size, "
+                             "--pipeline-parallel-size) is not built yet: the KV is sharded over the ranks")
+        if draft is not None:
+            raise ValueError(f"--kv-role {role} with a draft model is not built yet (the drafter's KV would have "
+                             "to travel too); use --speculative-method ngram or none")
+        cfg = self.model_config
+        layout = (f"{self.model_name}|{self.dtype}|{self.quantization}|act {self.activation_precision}|"
+                  f"kv {config.cache.kv_cache_dtype}|block "
+                  f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
+        self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
+        self.scheduler.recompute_failed_kv = config.kv_transfer.kv_load_failure_policy == "recompute"
