@@ -35,36 +35,14 @@ import time
 from typing import Any
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.core.fits import check_fits
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (KVRecv, KVSend, ModelRunnerOutput, NewRequestData, ScheduledRequest,
                                           SchedulerOutput)
 from tokenmill.core.step_planner import FixedPlanner
 from tokenmill.request import Request, RequestStatus
-from tokenmill.sampling_params import InvalidParameter
 from tokenmill.spec_decode.policy import update_acceptance, worthwhile_drafts
-
-
-def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_blocks: int, block_size: int,
-               config: SchedulerConfig) -> None:
-    """Raise ValueError if a request of this size could never run (the front end asks before it sends
-    a request to the engine core, wherever that runs)."""
-    total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
-        raise InvalidParameter(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds the "
-            f"model's context length of {max_model_len} tokens; shorten the prompt or lower max_tokens",
-            "max_tokens")
-    need = -(-total // block_size)
-    if need > num_blocks:
-        raise InvalidParameter(
-            f"this request needs {need} KV blocks ({total} tokens) but the whole KV cache has "
-            f"{num_blocks}; raise --kv-cache-memory or lower max_tokens", "max_tokens")
-    if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
-        raise InvalidParameter(
-            f"prompt + max_tokens ({total} tokens) exceeds max_num_batched_tokens "
-            f"({config.max_num_batched_tokens}) and chunked prefill is off; raise "
-            "--max-num-batched-tokens or pass --enable-chunked-prefill", "max_tokens")
 
 
 # A request preempted this many times is promoted: it runs first and is the last victim (no thrash).

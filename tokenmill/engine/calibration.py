@@ -12,15 +12,33 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenmill.perf.step_cost import CalibratedCost, StepShape
 
 if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.builder import CoreBuilder
+    import torch
+
+    from tokenmill.config import EngineConfig, ModelConfig
+    from tokenmill.core.kv_cache import KVCacheManager
+    from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
+
+
+class StartupState(Protocol):
+    """What the start-up probes read of an engine being built (engine/builder.py CoreBuilder): the model's
+    name, device, dtype, config and tokenizer, its context, the KV cache and the runner."""
+
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    kv_cache: KVCacheManager
+    runner: Any
+
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512, 1024)
@@ -117,7 +135,7 @@ def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
     return CalibratedCost.fit(shapes, seconds), len(shapes)
 
 
-def startup_step_cost(core: CoreBuilder, config: EngineConfig) -> CalibratedCost:
+def startup_step_cost(core: StartupState, config: EngineConfig) -> CalibratedCost:
     """The step-cost model latency targets plan with: --step-cost-profile's, or fitted now to a few
     steps timed on this machine (about 1.5 s for the embedded model)."""
     if config.step_cost_profile:

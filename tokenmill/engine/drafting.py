@@ -15,14 +15,14 @@ from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.engine.builder import CoreBuilder
+    from tokenmill.engine.calibration import StartupState
     from tokenmill.spec_decode.draft_model import DraftModelProposer
     from tokenmill.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("tokenmill")
 
 
-def load_drafter(core: CoreBuilder, spec: SpeculativeConfig, phase: Callable[[str], None]) -> LoadedModel:
+def load_drafter(core: StartupState, spec: SpeculativeConfig, phase: Callable[[str], None]) -> LoadedModel:
     """The draft model, on the target's device and dtype, checked to speak the target's vocabulary
     and to reach its context length."""
     source = resolve_model(spec.speculative_model)
@@ -44,7 +44,7 @@ def load_drafter(core: CoreBuilder, spec: SpeculativeConfig, phase: Callable[[st
 
 
 @torch.inference_mode()
-def measure_draft_cost(core: CoreBuilder, proposer: DraftModelProposer | NgramProposer) -> DraftCostModel:
+def measure_draft_cost(core: StartupState, proposer: DraftModelProposer | NgramProposer) -> DraftCostModel:
     """The off rule's c on this machine, against the batch: a draft's share of a decode step
     (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
     k = proposer.k

@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.scheduler import check_fits
+from tokenmill.core.fits import check_fits
 from tokenmill.engine.messages import AbortRequests, AddRequest, CoreOutput, CoreState, CoreStep, StepStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput

@@ -8,15 +8,12 @@ import asyncio
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from tokenmill.core.step_planner import Forecast
 from tokenmill.engine.messages import StepStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenmill.engine.async_engine import AsyncEngine
 
 
 class EngineDeadError(RuntimeError):
@@ -71,6 +68,12 @@ class EngineObserver(Protocol):
     def on_step(self, stats: StepStats) -> None: ...
 
 
+class Aborts(Protocol):
+    """What a stream needs of its engine (the AsyncEngine): to abort its request."""
+
+    def abort(self, request_id: str) -> None: ...
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative RequestOutputs.
 
@@ -78,7 +81,7 @@ class RequestStream:
     consumer going away) aborts the request; aborting a finished request does nothing.
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, engine: Aborts, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
