@@ -80,3 +80,13 @@ def metric(text: str, name: str, **labels) -> float | None:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 found = (found or 0.0) + s.value
     return found
+
+
+def step_until_done(engine) -> dict:  # noqa: ANN001 -- an LLMEngine
+    """Step an engine until nothing is unfinished; each finished request's last output, by id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

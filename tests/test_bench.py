@@ -308,7 +308,7 @@ def test_cli_bad_input_says_what_to_do(fake_server, tiny_tokenizer, capsys):
 @pytest.fixture(scope="module")
 def maker(tiny_tokenizer):
     from tokenmill.bench.datasets import PromptMaker
-    from tokenmill.tokenizer import load_tokenizer
+    from tokenmill.models.tokenizer_loader import load_tokenizer
 
     return PromptMaker(load_tokenizer(tiny_tokenizer))
 

@@ -452,7 +452,7 @@ def _wait_for(fn, timeout: float = 20.0) -> None:
 def cluster():
     """A producer and a consumer, each a real OpenAI server on loopback, and a router in front."""
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.kv_transfer.router import Router, build_router_app
+    from tokenmill.server.router import Router, build_router_app
     from tokenmill.server.app import build_app
     from tokenmill.server.run import BackgroundServer
     from tokenmill.server.serving import ServerConfig
@@ -514,7 +514,7 @@ def test_router_serves_colocated_outputs_and_retries_dead_instances(cluster, llm
 def test_router_passes_client_errors_through_and_says_when_no_instance_answers(cluster):
     import httpx
 
-    from tokenmill.kv_transfer.router import Router, build_router_app
+    from tokenmill.server.router import Router, build_router_app
     from tokenmill.server.run import BackgroundServer
 
     servers, front = cluster
@@ -556,7 +556,7 @@ def test_a_client_leaving_mid_stream_frees_the_consumers_blocks(cluster):
 
 
 def test_the_router_picks_the_least_loaded_instance_and_round_robins_ties():
-    from tokenmill.kv_transfer.router import Router
+    from tokenmill.server.router import Router
 
     r = Router(["http://a", "http://b", "http://c"], ["http://d"])
     a, b, c = r.prefill

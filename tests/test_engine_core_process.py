@@ -23,7 +23,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.models.registry import DEFAULT_MODEL
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
-from helpers import free_port, wait_healthy
+from helpers import free_port, step_until_done, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +43,7 @@ def _requests() -> list[tuple[str, SamplingParams]]:
 def _run(engine: LLMEngine) -> dict:
     for i, (prompt, params) in enumerate(_requests()):
         engine.add_request(prompt, params, request_id=str(i))
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return step_until_done(engine)
 
 
 def test_core_process_gives_the_in_process_outputs(llm_default):

@@ -1,6 +1,7 @@
-"""The import structure the house rests on, read from the source (every import, those inside functions too;
-those under ``if TYPE_CHECKING:`` never run and are left out): no module imports itself back through others,
-the cost models sit below everything that plans with them, and the simulator above the engine it drives."""
+"""The import structure the house rests on, read from the source (every import, those inside functions too):
+no module imports itself back through others, not even for a type; every package imports only the packages
+below it (PACKAGE_ORDER; imports under ``if TYPE_CHECKING:`` never run and are left out of this one); the cost
+models sit below everything that plans with them, and the simulator above the engine it drives."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ def _name(path: Path) -> str:
 
 
 @functools.cache
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     """tokenmill module -> the tokenmill modules it imports (``from a.b import c`` counts as a.b.c where c is a
-    module, else a.b)."""
+    module, else a.b); with ``typing``, those imported under ``if TYPE_CHECKING:`` too."""
     modules = {_name(p): p for p in ROOT.rglob("*.py")}
 
     def resolve(name: str) -> str | None:
@@ -30,8 +31,8 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for mod, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        typing_only = set() if typing else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         deps = set()
         for node in ast.walk(tree):
             if id(node) in typing_only:
@@ -78,6 +79,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_itself_back():
     assert _cycles(import_graph()) == []
+    assert _cycles(import_graph(typing=True)) == []  # not even for a type annotation
 
 
 def test_the_cycle_finder_finds_a_cycle():  # the negative control: a circle through three modules is reported
@@ -101,3 +103,49 @@ def test_only_the_command_line_imports_the_simulator():
     users = sorted(m for m, deps in graph.items() if not m.startswith("tokenmill.sim")
                    and any(d.startswith("tokenmill.sim") for d in deps))
     assert users == ["tokenmill.cli"]
+
+
+# The packages from the bottom up: a module may import its own package and those in tiers below its own, never
+# one beside or above it. (The wire contract core/sched_output.py imports nothing of tokenmill, so the runner,
+# the drafters and the connector can read it while sitting above the scheduler.)
+PACKAGE_ORDER = [
+    {"config", "platform", "sampling_params", "outputs", "generation_config", "monitor", "version"},
+    {"request", "structured_output", "perf"},
+    {"distributed"},  # process groups, messages, sharding, pipeline stages: no model code
+    {"layers"},
+    {"tokenizer"},
+    {"models"},
+    {"core"},  # the scheduler, the KV pool, the contract
+    {"spec_decode"},
+    {"worker"},
+    {"executor"},
+    {"kv_transfer"},
+    {"engine"},
+    {"server"},
+    {"bench", "eval"},
+    {"sim"},
+    {"cli", "__init__"},
+]
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _against_order(graph: dict[str, set[str]], order: list[set[str]]) -> list[tuple[str, str]]:
+    tier = {p: i for i, ps in enumerate(order) for p in ps}
+    return sorted((m, d) for m, deps in graph.items() for d in deps
+                  if _package(d) != _package(m) and tier[_package(d)] >= tier[_package(m)])
+
+
+def test_every_package_imports_only_packages_below_it():
+    graph = import_graph()
+    assert {_package(m) for m in graph} == set().union(*PACKAGE_ORDER)  # every package has its tier
+    assert _against_order(graph, PACKAGE_ORDER) == []
+
+
+def test_the_order_check_finds_an_import_upwards():  # negative control: the scheduler importing the engine
+    graph = {"tokenmill.core.scheduler": {"tokenmill.engine.core", "tokenmill.config"},
+             "tokenmill.engine.core": {"tokenmill.core.scheduler"}, "tokenmill.config": set()}
+    assert _against_order(graph, PACKAGE_ORDER) == [("tokenmill.core.scheduler", "tokenmill.engine.core")]

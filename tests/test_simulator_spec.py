@@ -24,6 +24,7 @@ from tokenmill.perf.cost import (RooflineCost, draft_passes, draft_weight_ratio,
                                 verify_shape)
 from tokenmill.perf.hardware import load_hardware
 from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts, draft_cost_model
+from tokenmill.spec_decode.step import propose_drafts
 
 LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -67,17 +68,18 @@ def test_verify_step_of_llama3_8b_by_hand():
 
 
 def test_the_schedulers_verify_step_has_the_formulas_shape():
-    """The real Scheduler with the simulator's proposer: each decoding request is scheduled with 1 + k
+    """The real Scheduler and drafting step with the simulator's proposer: each decoding request is scheduled with 1 + k
     tokens, its drafts' KV slots reserved, and StepShape.of of that step is verify_shape."""
     spec = SpecDecoding("ngram", 4, 0.8)
     kv = KVCacheManager(400, 16, False)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096), kv, 8192,
-                      SimProposer(spec, 16, draft_cost_model(lambda s: 1e-3, None, 4, 8192)))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4096), kv, 8192)
+    proposer = SimProposer(spec, 16, draft_cost_model(lambda s: 1e-3, None, 4, 8192))
     for i in range(3):
         sched.add_request(Request(str(i), list(range(1000)), SamplingParams(max_tokens=50), frozenset(), 50))
     out = sched.schedule()
     assert out.num_prefill_tokens == 3000
     sched.update_from_output(out, ModelRunnerOutput({str(i): [7] for i in range(3)}))
+    propose_drafts(sched, proposer)  # the step hook: the next step's drafts, their slots reserved
     out = sched.schedule()
     assert [(s.start_pos, len(s.token_ids), s.num_draft_tokens) for s in out.scheduled] == [(1000, 5, 4)] * 3
     assert out.num_decode_tokens == 15

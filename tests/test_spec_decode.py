@@ -184,7 +184,7 @@ def test_speculation_through_preemption_and_prefix_hits(llm_default):
 
 
 def test_the_off_rule_drafts_only_what_pays():
-    from tokenmill.spec_decode.policy import PROBE_EVERY, constant_cost, worthwhile_drafts
+    from tokenmill.core.draft_policy import PROBE_EVERY, constant_cost, worthwhile_drafts
 
     assert worthwhile_drafts(1.0, 0, limit=5) == 5  # every draft accepted: as many as allowed
     assert worthwhile_drafts(0.8, 0) == 2  # 2.44 tokens in 2 steps' time beats 1.8 in 1.5 and 2.95 in 2.5
@@ -195,7 +195,7 @@ def test_the_off_rule_drafts_only_what_pays():
 
 
 def test_the_draft_cost_follows_measured_step_times_and_the_batch():
-    from tokenmill.spec_decode.policy import DraftCostModel, worthwhile_drafts
+    from tokenmill.core.draft_policy import DraftCostModel, worthwhile_drafts
 
     target = {1: 10.0, 4: 12.0, 16: 40.0, 64: 160.0}  # memory-bound to 4 tokens, then compute-bound
     model = DraftCostModel(target, None, 3)
@@ -214,8 +214,8 @@ def test_a_drafter_that_is_always_wrong_is_soon_switched_off(spec_llm, llm_defau
         def propose(self, token_ids, max_tokens):
             return [0] * min(4, max_tokens)  # token 0 is never the model's choice here
 
-    sched = spec_llm.engine.scheduler
-    saved, sched.proposer = sched.proposer, Wrong(4, 2, 4)
+    sched, core = spec_llm.engine.scheduler, spec_llm.engine.core
+    saved, core.proposer = core.proposer, Wrong(4, 2, 4)
     try:
         engine = spec_llm.engine
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -224,7 +224,7 @@ def test_a_drafter_that_is_always_wrong_is_soon_switched_off(spec_llm, llm_defau
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        sched.proposer = saved
+        core.proposer = saved
     assert req.num_accepted_drafts == 0
     assert req.num_drafts <= 4 + 64 // 8  # the first step's drafts, then one probe every 8 steps at most
     assert req.output_token_ids == llm_default.generate([PROMPTS[3]], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -357,7 +357,7 @@ def test_draft_model_keeps_the_float_targets_greedy_bits(llm_fp32, draft_llm):
     spec = summarize([s.spec for s in draft_llm.engine.step_stats if s.spec is not None])
     assert spec["spec_acceptance_rate"] > 0.8, spec  # the quantized copy agrees with the float model
     kv = draft_llm.engine.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks and not draft_llm.engine.scheduler.proposer.cached
+    assert kv.num_free_blocks == kv.num_blocks and not draft_llm.engine.core.proposer.cached
 
 
 @pytest.mark.slow
@@ -425,7 +425,7 @@ def test_sampled_outputs_with_a_draft_model_follow_the_target_distribution(tiny_
             p3 += p1[a] * pa[b] * _top_k_probs(hf_logits(target, prompt + [a, b])[-1], K)
     llm = LLM(str(target_dir), speculative_model=str(drafter_dir), num_speculative_tokens=2,
               kv_cache_memory="16MiB", max_num_seqs=64)
-    llm.engine.scheduler.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # always draft
+    llm.engine.core.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # always draft
 
     def sample_counts():
         params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=i, ignore_eos=True) for i in range(N)]

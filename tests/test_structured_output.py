@@ -211,7 +211,7 @@ def test_grammar_with_ngram_speculation_keeps_greedy_bits(llm_default):
     from tokenmill import LLM
 
     spec = LLM(kv_cache_memory="64MiB", max_model_len=2048, speculative_method="ngram", num_speculative_tokens=4)
-    spec.engine.scheduler.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # draft whatever the acceptance
+    spec.engine.core.proposer.draft_cost = lambda batch: (lambda d: 0.0)  # draft whatever the acceptance
     so = StructuredOutputsParams(json=SCHEMAS["array"])
     sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
     prompts = ['Tags: "red", "red", "red". JSON:', PROMPT]

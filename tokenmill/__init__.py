@@ -6,8 +6,7 @@ an engine does, when it is built.
 
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
-
-__version__ = "0.1.0"
+from tokenmill.version import __version__
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 

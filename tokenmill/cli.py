@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "load (/metrics), retries a leg on another instance when one fails. /metrics has "
                                    "the router's own counters and the prefill / decode split of TTFT.")
     add_router_args(r)
-    r.set_defaults(func=_lazy("tokenmill.kv_transfer.router", "run_router"))
+    r.set_defaults(func=_lazy("tokenmill.server.router", "run_router"))
 
     b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
     bsub = b.add_subparsers(dest="bench_command", required=True)

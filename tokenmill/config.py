@@ -10,6 +10,8 @@ POLICIES = ("fcfs", "priority")
 SLO_POLICIES = ("shed", "queue")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # --quantization (layers/quant.py)
 # "auto" (the default) resolves to one of them when the model loads (models/loader.py: resolve_quantization)
+# --attention-backend: auto resolves to cpu where the CPU kernels run the model, else torch (layers/attention.py)
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu")
 QUANTIZATION_CHOICES = ("auto",) + QUANTIZATIONS
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype (layers/attention.py)
 PREEMPTION_MODES = ("recompute", "swap")
@@ -314,6 +316,7 @@ class EngineConfig:
     quantization: str = "auto"  # weights: auto | none | int8 | int4 | gguf (layers/quant.py)
     # The CPU kernels' activations: int16 | int8 (layers/kernels.py); None: TOKENMILL_ACTIVATIONS, else int16
     activation_precision: str | None = None
+    attention_backend: str = "auto"  # auto | torch | cpu (layers/attention.py's registry)
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -334,6 +337,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
         if self.activation_precision not in (None, "int16", "int8"):
             raise ValueError(f"activation_precision must be int16 or int8, got {self.activation_precision!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):

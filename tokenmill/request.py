@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -52,8 +53,11 @@ class Request:
     num_preemptions: int = 0
     num_drafts: int = 0  # speculative decoding: draft tokens proposed for this request, and accepted
     num_accepted_drafts: int = 0
-    draft_acceptance: float = 1.0  # recent per-draft acceptance (spec_decode/policy.py); optimistic at first
+    draft_acceptance: float = 1.0  # recent per-draft acceptance (core/draft_policy.py); optimistic at first
     num_steps_without_drafts: int = 0
+    # drafts proposed after its last step (spec_decode/step.py) for its next one, their slots reserved
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None  # the draft model's distributions over them (a tensor), or None (n-gram)
     promoted: bool = False  # priority policy: waited past the starvation bound, now ahead of all
     timings: RequestTimings = field(default_factory=RequestTimings)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

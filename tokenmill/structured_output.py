@@ -1,8 +1,9 @@
 """Constraints on what a request may generate: structured outputs (a grammar, through llguidance),
 logit_bias, allowed_token_ids and bad_words.
 
-The engine turns a request's parameters into ``RequestConstraints`` when it is added (so a bad schema
-or an out-of-vocabulary id is a ValueError before anything is queued); the runner keeps a grammar
+The front end's input processor (engine/input_processor.py) turns a request's parameters into
+``RequestConstraints`` once, when it is added (so a bad schema or an out-of-vocabulary id is a ValueError
+before anything is queued), and the engine core receives them compiled; the runner keeps a grammar
 matcher per request and, every step, gives the sampler each constrained row's token mask, computed
 after the tokens that row follows (for a drafted position: after the drafts before it, so drafts are
 checked against the grammar too).

@@ -445,17 +445,3 @@ def _compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"the model's chat template does not parse: {e}") from e
-
-
-
-def load_tokenizer(model) -> Tokenizer:  # noqa: ANN001
-    """The tokenizer of a model alone, no weights and no torch (what an API-server process needs):
-    ``model`` is a built-in alias, a .gguf file, a Hugging Face folder, or a resolved ModelSource."""
-    from tokenmill.models.registry import resolve_model
-
-    src = resolve_model(model) if isinstance(model, str) else model
-    if src.format == "gguf":
-        from tokenmill.models.gguf_reader import open_gguf
-
-        return Tokenizer.from_gguf(open_gguf(src.path))
-    return Tokenizer.from_hf_folder(src.path)

@@ -60,7 +60,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     print(f"{len(reqs)} requests, {n_in} prompt + {n_out} output tokens in {elapsed:.2f} s: "
           f"{row['request_throughput']:.2f} req/s, {row['output_throughput']:.1f} output tok/s, "
           f"{row['total_token_throughput']:.1f} total tok/s ({row['dtype']})")
-    if llm.engine.scheduler.proposer is not None:
+    if llm.engine.core.proposer is not None:
         from tokenmill.spec_decode.stats import summarize
 
         row.update(summarize([s.spec for s in llm.engine.step_stats if s.spec is not None]))

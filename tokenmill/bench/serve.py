@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenmill.bench.client import ApiConfig, wait_until_ready
 from tokenmill.bench.datasets import dataset_spec, sample_requests
-from tokenmill.tokenizer import load_tokenizer
+from tokenmill.models.tokenizer_loader import load_tokenizer
 from tokenmill.bench.metrics import parse_goodput, parse_percentiles
 from tokenmill.bench.report import compare_table, run_block, sustainable_point, sweep_table
 from tokenmill.bench.runner import LoadSpec, RunResult, run_async

@@ -56,6 +56,18 @@ class KVSend:
     prompt_token_ids: list[int]
 
 
+@dataclass(frozen=True)
+class KVTransferStats:
+    """One KV transfer of prefill/decode disaggregation that ended (kv_transfer/connector.py)."""
+
+    direction: str  # "send" (producer) | "recv" (consumer)
+    request_id: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None  # None: it succeeded
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)

@@ -32,6 +32,7 @@ No tensors here: the simulator and the CPU tests drive this exact code.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tokenmill.config import SchedulerConfig
@@ -42,7 +43,7 @@ from tokenmill.core.sched_output import (KVRecv, KVSend, ModelRunnerOutput, NewR
                                           SchedulerOutput)
 from tokenmill.core.step_planner import FixedPlanner
 from tokenmill.request import Request, RequestStatus
-from tokenmill.spec_decode.policy import update_acceptance, worthwhile_drafts
+from tokenmill.core.draft_policy import update_acceptance
 
 
 # A request preempted this many times is promoted: it runs first and is the last victim (no thrash).
@@ -50,15 +51,8 @@ MAX_PREEMPTIONS = 3
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 proposer=None) -> None:
-        """proposer: a speculative drafter (spec_decode/), drafting at most ``proposer.k`` tokens per
-        request and step, d of them costing ``proposer.draft_cost(batch)(d)`` decode steps (the off rule);
-        ``may_draft(request, batch)`` says whether it may draft for a request now, ``propose_batch`` is
-        asked once a step for the drafts of every decoding request that may draft, ``finish`` when a
-        request ends."""
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.config = config
-        self.proposer = proposer
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.waiting = make_queue(config.policy, config.starvation_timeout)
@@ -70,7 +64,8 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
-        self.draft_s = 0.0
+        # called with a request's id when it ends (a drafter drops what it holds for the request)
+        self.finish_hooks: list[Callable[[str], None]] = []
         self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
         self.waiting_for_kv: dict[str, Request] = {}  # consumer: blocks reserved, KV arriving
         self.kv_sending: set[str] = set()  # producer: finished, blocks held until the connector sent them
@@ -129,8 +124,8 @@ class Scheduler:
             self.kv_cache.free(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
         self._lane_of.pop(req.request_id, None)
-        if self.proposer is not None:
-            self.proposer.finish(req.request_id)
+        for hook in self.finish_hooks:
+            hook(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
@@ -219,14 +214,10 @@ class Scheduler:
         budget = self.planner.token_budget(self)
         max_running = self.planner.max_running(self)
 
-        # 1. Running requests: decodes (one token, plus drafts) and unfinished chunked prefills. A
-        # drafting request reserves slots for its drafts now; they are proposed once all are known.
+        # 1. Running requests: decodes (one token, plus the drafts proposed after the last step, as many as the
+        # budget takes: spec_decode/step.py) and unfinished chunked prefills.
         lane = self._next_lane()
         starved = False  # a running request waits for blocks that requests in flight hold
-        drafting: list[tuple[Request, int]] = []
-        # the batch drafts are priced at: the running requests and those about to join them
-        batch = min(len(self.running) + len(self.waiting), max_running)
-        draft_cost = self.proposer.draft_cost(batch) if self.proposer is not None else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -234,10 +225,8 @@ class Scheduler:
                 i += 1  # its step is in flight, or this step is another lane's
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            room = self._draft_room(req, budget, draft_cost, batch) if num_new == 1 else 0
-            if room and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + room) is None:
-                room = 0  # drafts never preempt anyone: without room for them, the request just decodes
-            num_new += room
+            drafts = req.spec_token_ids[:budget - 1] if num_new == 1 else []  # (their slots are reserved)
+            num_new += len(drafts)
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self._pop_victim(i)  # the policy's last: fcfs most recent, priority least urgent
                 if victim is None:  # only requests in flight could give blocks back: wait for them
@@ -247,16 +236,13 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                if room:
-                    drafting.append((req, room))
-                else:
-                    self._emit(req, num_new, out)
+                probs = req.spec_probs[:len(drafts)] if drafts and req.spec_probs is not None else None
+                self._emit(req, num_new - len(drafts), out, drafts, probs)
+                req.spec_token_ids, req.spec_probs = [], None  # proposed again after this step
                 budget -= num_new
                 i += 1
                 continue
             break  # req itself was preempted (or must wait): nothing after it is left to schedule
-        if drafting:
-            budget += self._emit_drafted(drafting, out)
 
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
@@ -319,30 +305,32 @@ class Scheduler:
             kv.stats.queries += req.num_tokens
             kv.stats.hits += num_cached
 
-    def _draft_room(self, req: Request, budget: int, draft_cost, batch: int) -> int:
-        """How many drafts a decoding request may carry: what its acceptance pays for (the off rule),
-        within the step's budget (drafts count against it), its max_tokens (the last emitted token is the
-        one after the drafts) and the context length."""
-        if self.proposer is None or not self.proposer.may_draft(req, batch):
-            return 0
-        return max(0, min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                          self.max_model_len - req.num_tokens - 1,
-                          worthwhile_drafts(req.draft_acceptance, req.num_steps_without_drafts, self.proposer.k,
-                                            draft_cost)))
+    # ---- speculative decoding (the drafter runs after each step: spec_decode/step.py) -----------
 
-    def _emit_drafted(self, drafting: list[tuple[Request, int]], out: SchedulerOutput) -> int:
-        """Ask the drafter for every drafting request at once (a draft model batches its passes) and
-        schedule each with its drafts; returns the reserved budget the drafter did not use."""
-        tables = self.kv_cache.block_tables
-        t = time.perf_counter()
-        proposals = self.proposer.propose_batch([(req, room, tables[req.request_id]) for req, room in drafting])
-        self.draft_s += time.perf_counter() - t
-        unused = 0
-        for (req, room), (drafts, probs) in zip(drafting, proposals):
-            drafts = list(drafts)[:room]
-            unused += room - len(drafts)
-            self._emit(req, 1, out, drafts, probs if drafts else None)
-        return unused
+    def draft_batch_size(self) -> int:
+        """The batch drafts are priced at: the running requests and those about to join them."""
+        return min(len(self.running) + len(self.waiting), self.planner.max_running(self))
+
+    def may_carry_drafts(self) -> list[Request]:
+        """Running requests whose next step is a decode not yet given drafts (nor in flight)."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.spec_token_ids
+                and r.request_id not in self.in_flight]
+
+    def reserve_draft_slots(self, req: Request, n: int) -> int:
+        """Reserve KV slots for up to ``n`` drafts of a decoding request, within its max_tokens (the last
+        emitted token is the one after the drafts) and the context; the number reserved. Drafts never preempt
+        anyone: without free blocks for them the request just decodes."""
+        n = max(0, min(n, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1))
+        if n and self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + 1 + n) is None:
+            return 0
+        return n
+
+    def update_draft_token_ids(self, drafts: dict[str, tuple[list[int], Any]]) -> None:
+        """The drafter's proposals (token ids, their probabilities or None) for the next step."""
+        for request_id, (token_ids, probs) in drafts.items():
+            req = self.requests.get(request_id)
+            if req is not None and req.status is RequestStatus.RUNNING and token_ids:
+                req.spec_token_ids, req.spec_probs = list(token_ids), probs
 
     def _emit(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = (),
               draft_probs: Any = None) -> None:
@@ -418,6 +406,7 @@ class Scheduler:
             req.num_computed_tokens = 0
         kv.free(req.request_id)
         self._lane_of.pop(req.request_id, None)
+        req.spec_token_ids, req.spec_probs = [], None  # their slots are gone with the blocks
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -451,7 +440,7 @@ class Scheduler:
                 req.num_drafts += s.num_draft_tokens
                 req.draft_acceptance = update_acceptance(req.draft_acceptance, accepted, s.num_draft_tokens)
                 req.num_steps_without_drafts = 0
-            elif self.proposer is not None and s.needs_logits:
+            elif s.needs_logits:
                 req.num_steps_without_drafts += 1
             status = None
             for token in tokens:

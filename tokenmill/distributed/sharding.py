@@ -222,9 +222,8 @@ def shard_weight(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, t: int
 
 def shard_quantized(name: str, qt, cfg: ModelConfig, rank: int, t: int):
     """Rank ``rank``'s slice of a QuantizedTensor (layers/quant.py): rows are data rows; columns are whole
-    blocks (32 weights, 256 for a K-quant super-block), refused with a clear error where they are not."""
-    from tokenmill.layers.quant import QuantizedTensor
-
+    blocks (32 weights, 256 for a K-quant super-block), refused with a clear error where they are not. (Its
+    slices are made as ``type(qt)``: this package sits below layers/.)"""
     spec = _spec(name, cfg, rank, t)
     if spec is None or t == 1:
         return qt
@@ -239,7 +238,7 @@ def shard_quantized(name: str, qt, cfg: ModelConfig, rank: int, t: int):
                              f"{w}-weight blocks: each rank's {b - a} input columns start at {a}; use another "
                              "--tensor-parallel-size or --quantization none / int8")
         per = data.shape[1] * w // k  # bytes per block
-        return QuantizedTensor(data[:, a // w * per: b // w * per].contiguous(), qt.fmt, (n, b - a))
+        return type(qt)(data[:, a // w * per: b // w * per].contiguous(), qt.fmt, (n, b - a))
     sizes = _part_sizes(name, cfg)
     parts = list(data.split(sizes, dim=0)) if len(ranges) > 1 else [data]
     out = []
@@ -248,4 +247,4 @@ def shard_quantized(name: str, qt, cfg: ModelConfig, rank: int, t: int):
             p = torch.cat([p, torch.zeros((b - p.shape[0], p.shape[1]), dtype=p.dtype)], dim=0)
         out.append(p[a:b])
     rows = torch.cat(out, dim=0).contiguous()
-    return QuantizedTensor(rows, qt.fmt, (rows.shape[0], k))
+    return type(qt)(rows, qt.fmt, (rows.shape[0], k))

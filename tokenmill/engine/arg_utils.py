@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import QUANTIZATION_CHOICES
+from tokenmill.config import ATTENTION_BACKEND_CHOICES, QUANTIZATION_CHOICES
 from tokenmill.models.registry import DEFAULT_MODEL
 
 
@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "in float32 with the kernels built; else none); none (float); int8 (per output channel); "
                         "int4 (groups of 32, scale and zero point); gguf (keep a GGUF file's own Q4_0/Q4_1/Q8_0 "
                         "blocks). Quantized layers run integer CPU kernels")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKEND_CHOICES),
+                   help="paged attention: auto (default: cpu where the CPU kernels run the model, else torch); cpu "
+                        "(the kernels' paged_attention reading the blocks in place, batch invariant, and whole "
+                        "fused attention layers); torch (gathered blocks and scaled_dot_product_attention, CPU or "
+                        "GPU)")
     g.add_argument("--activation-precision", default=None, choices=["int16", "int8"],
                    help="the CPU kernels' activations, quantized per token and block of 32: int16 (default, or "
                         "TOKENMILL_ACTIVATIONS; within 1e-4 of float activations) or int8 (llama.cpp's 127 steps: "
@@ -193,7 +198,8 @@ def _itl_target_ms(a: argparse.Namespace) -> float | None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, quantization=a.quantization,
-                activation_precision=a.activation_precision, max_model_len=a.max_model_len,
+                activation_precision=a.activation_precision, attention_backend=a.attention_backend,
+                max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,

@@ -5,6 +5,7 @@ roofline, in that order (``build_core``). EngineCore (core.py) only holds what t
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.core import CoreParts, EngineCore, StartupPhases, device_uuid  # first: times torch
 
@@ -16,16 +17,24 @@ from tokenmill.core.scheduler import Scheduler  # noqa: E402
 from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
 from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
 from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
+from tokenmill.distributed.pipeline import check_pipeline_parallel  # noqa: E402
+from tokenmill.distributed.sharding import check_tensor_parallel  # noqa: E402
 from tokenmill.engine.messages import CoreInfo  # noqa: E402
-from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels  # noqa: E402
-from tokenmill.models.loader import load_model  # noqa: E402
-from tokenmill.models.registry import resolve_model  # noqa: E402
+from tokenmill.executor import start_executor  # noqa: E402
+from tokenmill.kv_transfer.connector import KVConnector  # noqa: E402
+from tokenmill.models.loader import model_config_of  # noqa: E402
+from tokenmill.models.registry import ModelSource, resolve_model  # noqa: E402
 from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
-from tokenmill.platform import free_memory_bytes, resolve_device, resolve_dtype  # noqa: E402
+from tokenmill.platform import free_memory_bytes, resolve_device  # noqa: E402
 from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
 from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
 from tokenmill.structured_output import GrammarCompiler  # noqa: E402
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
+from tokenmill.worker.worker import Worker, worker_dtype  # noqa: E402
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.group import TPGroup
+    from tokenmill.models.loader import LoadedModel
 
 logger = logging.getLogger("tokenmill")
 # Devices whose KV cache is not host memory, where --preemption-mode swap pays (tests add "cpu" to
@@ -46,7 +55,7 @@ class CoreBuilder:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = None  # tensor parallelism: the worker ranks (distributed/executor.py)
+        self.executor = None  # the ranks (executor/): this process alone, or the tensor/pipeline-parallel ones
         self.kv_connector = None  # prefill/decode disaggregation (kv_transfer/connector.py), with --kv-role
 
     def build(self) -> EngineCore:
@@ -60,7 +69,7 @@ class CoreBuilder:
         return EngineCore(self.config, CoreParts(
             self.model_config, self.tokenizer, self.max_model_len, self.kv_cache, self.scheduler, self.runner,
             self.grammars, self.info, self.weight_bytes, self.kv_bytes_per_token, self.executor, self.kv_connector,
-            self.startup, self.device, self.dtype))
+            self.startup, self.device, self.dtype, self.proposer))
 
     def _build(self, config: EngineConfig) -> None:
         phase = self.startup = StartupPhases()
@@ -75,19 +84,21 @@ class CoreBuilder:
         self.model_path = source.path  # a .gguf file or a Hugging Face folder (its generation_config.json)
         # On the CPU kernels every mode takes float32 activations and is batch invariant (integer GEMMs on
         # quantized blocks, fixed-order float GEMMs on float weights): --dtype auto picks float32 there.
-        self.dtype = resolve_dtype(config.dtype, self.device,
-                                   cpu_kernels=self.device.type == "cpu" and cpu_kernels() is not None)
-        self.activation_precision = apply_activation_precision(config.activation_precision, self.device)
+        self.dtype = worker_dtype(config, self.device)
         phase("kernels")
-        tp = None
         if config.parallel.world_size > 1:
-            tp = self._start_parallel(config, source)
-            phase("parallel workers")
+            self._check_parallel(config, source)
         elif config.parallel.enable_expert_parallel:
             logger.warning("--enable-expert-parallel has no effect with --tensor-parallel-size 1 (one rank holds "
                            "every expert)")
-        loaded = load_model(source, self.dtype, self.device, config.max_model_len, quantization=config.quantization,
-                            phase=phase, tp=tp)
+        self.executor = start_executor(config, self.device)  # (the other ranks load their shards meanwhile)
+        self.device = self.executor.device
+        if config.parallel.world_size > 1:
+            phase("parallel workers")
+        tp = self.executor.group
+        self.worker = Worker(config, source, self.device, self.dtype, tp, phase)  # this rank's shard
+        self.activation_precision = self.worker.activation_precision
+        loaded = self.worker.loaded
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
@@ -120,27 +131,21 @@ class CoreBuilder:
         salt = (f"{self.model_name}|{self.dtype}|{config.max_model_len}|{self.quantization}|{cache.kv_cache_dtype}|"
                 f"{self.activation_precision}").encode()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, salt)
-        # Where every token's attention reads only the slots its context has written (the CPU kernels'
-        # paged_attention), the pool need not be cleared: its pages are touched as blocks fill.
-        kv_tensors = allocate_kv_cache(shard_config, num_blocks, cache.block_size, self.dtype, self.device,
-                                       cache.kv_cache_dtype, zeroed=loaded.model.ops is None)
-        if self.executor is not None:
-            self.executor.start_workers(num_blocks)
+        self.executor.start_workers(num_blocks)
         proposer = None
         if spec.speculative_method == "ngram":
             proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif draft is not None:
             draft_kv = allocate_kv_cache(draft.config, num_blocks, cache.block_size, self.dtype, self.device,
-                                         cache.kv_cache_dtype, zeroed=draft.model.ops is None)
+                                         cache.kv_cache_dtype, zeroed=not draft.model.attention_backend.reads_only_written_slots)
             proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
                                                       config.seed + 1), cache.block_size,
                                           spec.num_speculative_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, proposer)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.proposer = proposer
         phase("KV pool")
-        self.runner = ModelRunner(loaded.model, kv_tensors, cache.block_size, self.device, config.seed)
-        self.runner.executor = self.executor
+        self.runner = self.worker.init_kv_cache(num_blocks, self.executor)
         if tp is not None and tp.pipeline:
-            self.runner.pipeline = (tp, config.parallel.micro_batches)
             self.scheduler.lanes = config.parallel.batches_in_flight
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -151,7 +156,7 @@ class CoreBuilder:
             self.scheduler.planner = SLOPlanner(config.scheduler, startup_step_cost(self, config))
             phase("step cost")
         if config.kv_transfer.kv_role is not None:
-            self._start_kv_transfer(config, kv_tensors, tp, draft)
+            self._start_kv_transfer(config, self.runner.kv_caches, tp, draft)
         self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
         # a known GPU's datasheet costs nothing; a measurement only where a server reports it
         roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."),
@@ -167,17 +172,9 @@ class CoreBuilder:
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
 
-    def _start_parallel(self, config: EngineConfig, source):  # noqa: ANN001, ANN202
-        """Check that the model splits (before any process starts), start the worker ranks; this rank's
-        TPGroup."""
-        from tokenmill.distributed.executor import (ExternalLauncherExecutor, TPExecutor, rank_device,
-                                                    run_torchrun_worker, torchrun_group, torchrun_rank)
-        from tokenmill.distributed.pipeline import check_pipeline_parallel
-        from tokenmill.distributed.sharding import check_tensor_parallel
-        from tokenmill.models.loader import model_config_of
-
+    def _check_parallel(self, config: EngineConfig, source: ModelSource) -> None:
+        """Check that the model splits over the ranks before any process starts."""
         par = config.parallel
-        t = par.world_size
         if config.scheduler.preemption_mode == "swap":
             raise ValueError("--preemption-mode swap is not supported with more than one rank "
                              "(--tensor-parallel-size, --pipeline-parallel-size) yet")
@@ -186,29 +183,10 @@ class CoreBuilder:
                               quantized=config.quantization in ("int8", "int4", "gguf"),
                               expert_parallel=par.enable_expert_parallel)
         check_pipeline_parallel(model_cfg, par.pipeline_parallel_size)
-        what = "pipeline" if par.pipeline_parallel_size > 1 else "tensor"
-        if config.parallel.distributed_executor_backend == "external_launcher":
-            rank, local_rank = torchrun_rank(config)
-            self.device = rank_device(self.device, local_rank)
-            if rank != 0:  # this process is a worker: serve rank 0's forward passes, then leave
-                run_torchrun_worker(config, self.device)
-                logger.info("torchrun rank %d: rank 0's engine shut down; exiting", rank)
-                raise SystemExit(0)
-            group = torchrun_group(config, self.device)
-            self.executor = ExternalLauncherExecutor(config, self.device, group)
-            logger.info("%s parallelism: %d torchrun ranks (%s)", what, t, "nccl" if self.device.type == "cuda"
-                        else "gloo")
-            return group
-        self.device = rank_device(self.device, 0)
-        self.executor = TPExecutor(config, self.device)
-        logger.info("%s parallelism: %d ranks (%s), workers %s", what, t, "nccl" if self.device.type == "cuda"
-                    else "gloo", self.executor.worker_pids)
-        return self.executor.group
 
-    def _start_kv_transfer(self, config: EngineConfig, kv_tensors, tp, draft) -> None:  # noqa: ANN001
+    def _start_kv_transfer(self, config: EngineConfig, kv_tensors: list, tp: TPGroup | None,
+                           draft: LoadedModel | None) -> None:
         """Prefill/decode disaggregation: this engine's side of the KV connector."""
-        from tokenmill.kv_transfer.connector import KVConnector
-
         role = config.kv_transfer.kv_role
         if tp is not None:
             raise ValueError(f"--kv-role {role} with more than one rank (--tensor-parallel-size, "

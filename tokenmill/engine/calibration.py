@@ -14,7 +14,9 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.perf.step_cost import CalibratedCost, StepShape
+from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -65,9 +67,6 @@ def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
 def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple[object, float]:  # noqa: ANN001
     """(the step's SchedulerOutput, median seconds of the runner executing it)."""
     import torch
-
-    from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-    from tokenmill.sampling_params import SamplingParams
 
     b, ctx, n, start = point
     kv = engine.kv_cache

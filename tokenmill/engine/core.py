@@ -19,14 +19,17 @@ from tokenmill.core.kv_cache import KVCacheManager  # noqa: E402
 from tokenmill.core.scheduler import Scheduler  # noqa: E402
 from tokenmill.core.sched_output import ModelRunnerOutput  # noqa: E402
 from tokenmill.perf.step_cost import StepShape  # noqa: E402
-from tokenmill.engine.messages import AbortRequests, AddRequest, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
+from tokenmill.engine.messages import AbortRequests, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
 from tokenmill.request import Request, RequestStatus  # noqa: E402
 from tokenmill.perf.cost import step_bytes, step_flops  # noqa: E402
 from tokenmill.spec_decode.stats import step_acceptance  # noqa: E402
-from tokenmill.structured_output import GrammarCompiler, build_constraints  # noqa: E402
+from tokenmill.spec_decode.step import propose_drafts  # noqa: E402
+from tokenmill.structured_output import GrammarCompiler  # noqa: E402
 
 if TYPE_CHECKING:
     from tokenmill.config import ModelConfig
+    from tokenmill.spec_decode.step import Drafter
+    from tokenmill.engine.messages import EngineCoreRequest
     from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokenmill")
@@ -73,8 +76,9 @@ class StartupPhases:
 class CoreParts:
     """What an engine core runs on: the model's description and tokenizer, the KV cache and the scheduler over
     it, the model runner (or anything with its interface), the grammar compiler, what the core reports about
-    itself (``info``, the weight and KV bytes a step's figures count), and the tensor-parallel executor and KV
-    connector where there are ones (the core stops them at shutdown)."""
+    itself (``info``, the weight and KV bytes a step's figures count), the executor (executor/) and KV connector
+    where there are ones (the core stops them at shutdown), and the speculative drafter, which proposes each
+    step's drafts after the last one's tokens are applied (spec_decode/step.py)."""
 
     model_config: ModelConfig
     tokenizer: Tokenizer
@@ -91,6 +95,7 @@ class CoreParts:
     startup: StartupPhases | None = None
     device: torch.device | None = None  # where the model runs, and its compute dtype (for tools that look inside)
     dtype: torch.dtype | None = None
+    proposer: Drafter | None = None
 
 
 class EngineCore:
@@ -109,6 +114,9 @@ class EngineCore:
         self.info, self.weight_bytes, self.kv_bytes_per_token = parts.info, parts.weight_bytes, parts.kv_bytes_per_token
         self.executor, self.kv_connector, self.startup = parts.executor, parts.kv_connector, parts.startup
         self.device, self.dtype = parts.device, parts.dtype
+        self.proposer = parts.proposer
+        if self.proposer is not None:
+            self.scheduler.finish_hooks.append(self.proposer.finish)
         self.start_loop()
 
     def shutdown(self) -> None:
@@ -135,12 +143,12 @@ class EngineCore:
 
     # ---- requests --------------------------------------------------------------------
 
-    def add(self, msg: AddRequest) -> None:
-        """Queue one sequence; raises ValueError if it can never run (the front end checks first)."""
+    def add(self, msg: EngineCoreRequest) -> None:
+        """Queue one sequence as the front end's input processor validated it (engine/input_processor.py), its
+        constraints compiled: nothing is compiled again here (the scheduler keeps its own guard on ids and fit)."""
         self._num_added += 1
-        constraints = build_constraints(msg.params, self.tokenizer, self.model_config.vocab_size, self.grammars)
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
-                      msg.max_tokens, msg.priority, constraints=constraints, slo_tpot_ms=msg.slo_tpot_ms,
+                      msg.max_tokens, msg.priority, constraints=msg.constraints, slo_tpot_ms=msg.slo_tpot_ms,
                       kv_transfer=msg.kv_transfer)
         req.timings.arrival = msg.arrival_time
         self.scheduler.add_request(req)
@@ -220,6 +228,7 @@ class EngineCore:
             raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
         result = self.runner.execute(sched)
         outputs = kv_outputs + self._apply(sched, result)
+        draft_s = self._propose_drafts()
         if self.kv_connector is not None:  # held before the front end hears they finished
             for send in self.scheduler.take_kv_sends():
                 self.kv_connector.offer(send)
@@ -229,7 +238,7 @@ class EngineCore:
         if shape is not None and planner.predicts:
             planner.observe(shape, duration)
         stats = self._stats(sched, result, start, duration, shape, predicted, pc.queries - queries, pc.hits - hits,
-                            scheduled - start - self.scheduler.draft_s, self.scheduler.draft_s, kv_records or None)
+                            scheduled - start, draft_s, kv_records or None)
         return CoreStep(outputs, stats, self.state())
 
     def _pipelined_step(self) -> CoreStep:
@@ -249,17 +258,17 @@ class EngineCore:
                 raise InjectedFault(f"fault injected at engine step {self._steps} (${FAULT_ENV})")
             launched = self.runner.launch(sched)
             if launched is not None:
-                batches.append((sched, launched, start, pc.queries - queries, pc.hits - hits,
-                                scheduled - start - self.scheduler.draft_s, self.scheduler.draft_s))
+                batches.append((sched, launched, start, pc.queries - queries, pc.hits - hits, scheduled - start))
                 room = len(batches) < self.config.parallel.batches_in_flight
                 if room and self.scheduler.has_work_beyond_in_flight():
                     self._launch_s += time.perf_counter() - start
                     return CoreStep([], None, self.state())
         if not batches:
             return CoreStep([], None, self.state())
-        sched, launched, launched_at, queries, hits, schedule_s, draft_s = batches.popleft()
+        sched, launched, launched_at, queries, hits, schedule_s = batches.popleft()
         result = self.runner.finish(launched)
         outputs = self._apply(sched, result)
+        draft_s = self._propose_drafts()
         duration = time.perf_counter() - start + self._launch_s  # every call's time counted once
         self._launch_s = 0.0
         shape = StepShape.of(sched)
@@ -273,6 +282,10 @@ class EngineCore:
         updated = [requests[r] for r in result.sampled_token_ids if r in requests]
         return [self._output(req, result) for req in updated + finished]
 
+    def _propose_drafts(self) -> float:
+        """The next step's drafts, now that this one's tokens are in (spec_decode/step.py); its seconds."""
+        return propose_drafts(self.scheduler, self.proposer) if self.proposer is not None else 0.0
+
     def _stats(self, sched, result, start: float, duration: float, shape, predicted, queries: int, hits: int,
                schedule_s: float, draft_s: float, kv_transfers: list | None = None) -> StepStats:
         self._busy += duration
@@ -283,7 +296,7 @@ class EngineCore:
             self.kv_cache.num_blocks - self.kv_cache.num_free_blocks, len(sched.preempted_request_ids),
             queries, hits,
             step_acceptance(sched.scheduled, result.sampled_token_ids, self.config.speculative.num_speculative_tokens)
-            if self.scheduler.proposer is not None else None,
+            if self.proposer is not None else None,
             predicted, getattr(planner, "last_budget", None), getattr(planner, "last_batch_target", None),
             planner.tracker.ratio if predicted is not None else None,
             schedule_s=schedule_s, draft_s=draft_s,

@@ -27,12 +27,12 @@ import threading
 import time
 import traceback
 
+import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.messages import (
     AbortRequests,
-    AddRequest,
     CheckInvariants,
     CoreFailed,
     CoreInfo,
@@ -40,6 +40,7 @@ from tokenmill.engine.messages import (
     CoreReady,
     CoreState,
     CoreStep,
+    EngineCoreRequest,
     ReportRequests,
     Shutdown,
     from_core_decoder,
@@ -105,7 +106,7 @@ class CoreProcessClient:
 
     # ---- commands --------------------------------------------------------------------
 
-    def add(self, msg: AddRequest) -> None:
+    def add(self, msg: EngineCoreRequest) -> None:
         self._send(msg)
 
     def abort(self, msg: AbortRequests) -> None:
@@ -226,8 +227,6 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
     outbox.connect(out_addr)
     send = lambda msg: outbox.send(from_core_encoder.encode(msg), copy=False)  # noqa: E731
     try:
-        import msgspec
-
         from tokenmill.engine.builder import build_core
 
         # This process is daemonic (it dies with the front end), and multiprocessing refuses children to
@@ -264,7 +263,7 @@ def _loop(core, inbox, send) -> None:  # noqa: ANN001
             if isinstance(msg, Shutdown):
                 return
             changed = True
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, EngineCoreRequest):
                 try:
                     core.add(msg)
                 except ValueError as e:  # the front end checks first; should it miss something, say so

@@ -1,5 +1,5 @@
 """Speculative decoding's startup on the engine core: the draft model loaded and checked against the target, and
-the off rule's draft cost measured on this machine (spec_decode/policy.py)."""
+the off rule's draft cost measured on this machine (core/draft_policy.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.models.loader import LoadedModel, load_model
 from tokenmill.models.registry import resolve_model
-from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
+from tokenmill.core.draft_policy import PROBE_SIZES, DraftCostModel
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
@@ -46,7 +46,7 @@ def load_drafter(core: StartupState, spec: SpeculativeConfig, phase: Callable[[s
 @torch.inference_mode()
 def measure_draft_cost(core: StartupState, proposer: DraftModelProposer | NgramProposer) -> DraftCostModel:
     """The off rule's c on this machine, against the batch: a draft's share of a decode step
-    (spec_decode/policy.py), from the target's and the drafter's step times over a few sizes."""
+    (core/draft_policy.py), from the target's and the drafter's step times over a few sizes."""
     k = proposer.k
     sizes = sorted({min(n, core.max_model_len) for n in PROBE_SIZES})
     table = core.kv_cache.allocate_slots("__probe__", sizes[-1])

@@ -38,7 +38,7 @@ class LLM:
                  | None = None, use_tqdm: bool = True, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
 
-        Every prompt is validated before any is queued, so one bad prompt queues nothing.
+        Every request is validated before any is queued, so one bad prompt or parameter queues nothing.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -51,13 +51,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for p in prompts:  # fail early, before anything is queued
-            self.engine.tokenize_prompt(p, add_special_tokens)
+        # every request validated (once) before any is queued
+        processed = [self.engine.input_processor.process(p, sp, add_special_tokens=add_special_tokens)
+                     for p, sp in zip(prompts, params)]
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp, add_special_tokens=add_special_tokens))
-        except ValueError:
+            for request in processed:
+                ids.append(self.engine.add_processed(request))
+        except ValueError:  # the core refused one after all: take back the others
             for rid in ids:
                 self.engine.abort_request(rid)
             raise

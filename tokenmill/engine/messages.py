@@ -2,7 +2,7 @@
 
 The same messages serve both layouts: in one process the front end hands them to the EngineCore
 as objects; with ``--engine-core-process`` they cross a ZeroMQ socket as msgpack (msgspec), never
-pickle. Front end -> core: AddRequest, AbortRequests, Shutdown. Core -> front end: CoreReady once
+pickle. Front end -> core: EngineCoreRequest, AbortRequests, Shutdown. Core -> front end: CoreReady once
 at startup (or CoreFailed), then a CoreStep after every step (and after commands that change state
 while idle), or CoreFailed when the core dies.
 """
@@ -17,21 +17,11 @@ import msgspec
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.step_planner import Forecast
+from tokenmill.core.sched_output import KVTransferStats
 from tokenmill.perf.roofline import Roofline
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import RequestConstraints
 from tokenmill.spec_decode.stats import SpecStepStats
-
-
-@dataclass(frozen=True)
-class KVTransferStats:
-    """One KV transfer of prefill/decode disaggregation that ended (kv_transfer/connector.py)."""
-
-    direction: str  # "send" (producer) | "recv" (consumer)
-    request_id: str
-    num_blocks: int = 0
-    num_bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None  # None: it succeeded
 
 
 @dataclass(frozen=True)
@@ -73,8 +63,9 @@ class StepStats:
 # ---- front end -> core ----------------------------------------------------------------
 
 
-class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
-    """One sequence (a request with n > 1 sends n of them), already validated by the front end."""
+class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
+    """One sequence (a request with n > 1 sends n of them) as the front end's input processor validated it
+    (engine/input_processor.py), its constraints compiled there: the core queues it as it is."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -84,6 +75,7 @@ class AddRequest(msgspec.Struct, tag="add", omit_defaults=True):
     priority: int = 0
     slo_tpot_ms: float | None = None  # its own TPOT SLO
     kv_transfer: dict | None = None  # prefill/decode disaggregation: the request's kv_transfer_params
+    constraints: RequestConstraints | None = None  # a structured-output grammar, bad_words (structured_output.py)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -104,7 +96,7 @@ class ReportRequests(msgspec.Struct, tag="report"):
     CoreStep's state.requests."""
 
 
-ToCore = AddRequest | AbortRequests | Shutdown | CheckInvariants | ReportRequests
+ToCore = EngineCoreRequest | AbortRequests | Shutdown | CheckInvariants | ReportRequests
 
 
 # ---- core -> front end ----------------------------------------------------------------

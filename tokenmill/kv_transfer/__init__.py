@@ -1,2 +1,2 @@
-"""Prefill/decode disaggregation: the KV connector (connector.py), its frames (frames.py) and the router
-(router.py) that sends each request's prefill to a producer and its decode to a consumer."""
+"""Prefill/decode disaggregation: the KV connector (connector.py) and its frames (frames.py). The router that
+sends each request's prefill to a producer and its decode to a consumer is a server (server/router.py)."""

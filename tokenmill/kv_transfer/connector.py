@@ -37,8 +37,7 @@ import torch
 
 from tokenmill.config import KVTransferConfig
 from tokenmill.core.kv_cache import cdiv
-from tokenmill.core.sched_output import KVRecv, KVSend
-from tokenmill.engine.messages import KVTransferStats
+from tokenmill.core.sched_output import KVRecv, KVSend, KVTransferStats
 from tokenmill.kv_transfer.frames import PeerClosed, recv_exactly, recv_header, send_header
 
 logger = logging.getLogger("tokenmill")

@@ -1,11 +1,15 @@
 """Attention over the paged KV cache, for a flat batch that mixes prefill and decode tokens.
 
-The runner lays the batch out as [decode tokens (one per request) | prefill chunks].
-- With the CPU kernels and float32 activations, every token (decode or prefill alike) goes through one
-  call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place (a quantized cache's
+The runner lays the batch out as [decode tokens (one per request) | prefill chunks] and builds one
+AttentionMetadata a step, which holds what each backend reads. Two backends, in a registry chosen by
+``--attention-backend`` (``auto``: ``cpu`` where the CPU kernels run the model, else ``torch``):
+- ``cpu`` (CPUPagedAttention): with float32 activations every token (decode or prefill alike) goes through
+  one call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place (a quantized cache's
   rows dequantized as it reads them) and reduces each token's context in fixed parts: a token's output
-  is the same bits however the step is composed (batch invariance; see csrc/cpu_kernels.cpp).
-- Otherwise decodes run as one batched SDPA call: each request's blocks are gathered into a padded
+  is the same bits however the step is composed (batch invariance; see csrc/cpu_kernels.cpp). It reads
+  ``block_tables``, ``seq_of`` and ``ctx_lens``; only it lets a decoder layer run its whole attention half
+  as one fused kernel call (``fuses_layers``).
+- ``torch`` (TorchPagedAttention), portable (CPU or GPU): decodes run as one batched SDPA call: each request's blocks are gathered into a padded
   [B, Hkv, L, D] tensor and a length mask hides the padding. Grouped-query attention folds
   the query heads that share a KV head into the query-length axis, so K/V are never repeated.
 - Each prefill chunk runs as one SDPA call (causal); a chunk that starts after cached context
@@ -15,7 +19,7 @@ Per layer, attention takes the model's softmax scale, a sliding window (a token 
 ``window`` positions: Mistral, Gemma 2, Phi-3) and a soft cap on the scores (Gemma 2), in the kernel
 and in the torch path alike.
 
-Backends are chosen by name through ``get_backend``; a GPU backend plugs in beside this one.
+A GPU backend (flashinfer) plugs into ATTENTION_BACKENDS beside these two.
 
 A layer's cache is ``(k_cache, v_cache)`` in the model dtype, or, with ``--kv-cache-dtype int8|fp8``,
 ``(k_cache, v_cache, k_scale, v_scale)``: int8 values (or fp8 e4m3 bits stored as uint8) with one
@@ -83,10 +87,18 @@ def gather_kv(kv: tuple, which: int, index: torch.Tensor, dtype: torch.dtype) ->
 
 
 class TorchPagedAttention:
-    """Portable backend: torch indexing plus scaled_dot_product_attention (CPU or GPU)."""
+    """Portable backend: torch indexing plus scaled_dot_product_attention (CPU or GPU). It reads the metadata's
+    ``num_decodes``, ``decode_block_tables``, ``decode_seq_lens`` and ``prefills``."""
 
     name = "torch"
-    ops = None  # torch.ops.tokenmill: attention reads float32 blocks in place (see use_fused_ops)
+    fuses_layers = False  # a decoder layer's fused attention half (C++) would not run this backend's code
+    ops = None  # torch.ops.tokenmill, set by the model's use_fused_ops (this backend does not use it)
+
+    @property
+    def reads_only_written_slots(self) -> bool:
+        """Whether attention never reads a slot no token wrote: then the KV pool need not be cleared. The torch
+        path gathers whole blocks and masks the padding, and a masked NaN of stale memory still poisons it."""
+        return False
 
     def forward(
         self,
@@ -99,25 +111,15 @@ class TorchPagedAttention:
         window: int = 0,  # sliding window: a token sees only the last `window` positions (0: all)
         softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [T, H, D]
-        num_blocks, block_size, hkv, d = kv[0].shape
-        scale = d ** -0.5 if scale is None else scale
-        if len(kv) == 2:
-            kv[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-            kv[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-        else:
-            fresh = []
-            for i, x in enumerate((k, v)):
-                values, row_scale = quantize_kv(x, kv[i].dtype)
-                kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, values)
-                kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, row_scale)
-                fresh.append(dequantize_kv(values, row_scale, q.dtype))  # what the cache will give back
-            k, v = fresh
-        if self.ops is not None and q.dtype == torch.float32 and not q.is_cuda:
-            # reads the cache in place (a quantized one dequantized row by row, as gather_kv would)
-            return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of,
-                                            meta.ctx_lens, scale, *kv[2:], window=window, softcap=softcap or 0.0)
+        scale = kv[0].shape[-1] ** -0.5 if scale is None else scale
+        k, v = store_kv(k, v, kv, meta, q.dtype)
+        return self.attend(q, k, v, kv, meta, scale, window, softcap)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, ...],
+               meta: AttentionMetadata, scale: float, window: int, softcap: float | None) -> torch.Tensor:
+        """The step's queries over the cache, their own K/V written to it already (``store_kv``)."""
         out = torch.empty_like(q)
-        group = q.shape[1] // hkv
+        group = q.shape[1] // kv[0].shape[2]
         nd = meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], kv, meta, group, scale, window, softcap)
@@ -183,11 +185,60 @@ def _attend(q, k, v, mask, scale: float, softcap: float | None):
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
-_BACKENDS = {"torch": TorchPagedAttention}
+class CPUPagedAttention(TorchPagedAttention):
+    """The CPU kernels' backend: ``paged_attention`` reads the blocks in place for every token of the step
+    (``block_tables``, ``seq_of``, ``ctx_lens``), the same bits however the step is composed; where the
+    kernels do not apply (none loaded, activations not float32) it runs the torch path."""
+
+    name = "cpu"
+    fuses_layers = True
+
+    @property
+    def reads_only_written_slots(self) -> bool:
+        return self.ops is not None  # (without the kernels it runs the torch path)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, ...],
+               meta: AttentionMetadata, scale: float, window: int, softcap: float | None) -> torch.Tensor:
+        if self.ops is None or q.dtype != torch.float32 or q.is_cuda:
+            return super().attend(q, k, v, kv, meta, scale, window, softcap)
+        # (a quantized cache dequantized row by row as it reads, as gather_kv would)
+        return self.ops.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_of, meta.ctx_lens, scale,
+                                        *kv[2:], window=window, softcap=softcap or 0.0)
 
 
-def get_backend(name: str = "torch") -> TorchPagedAttention:
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's K/V into their slots; returns them as the cache will give them back (a quantized
+    cache's values dequantized, so a token sees the same values from this step or from the cache)."""
+    hkv, d = kv[0].shape[2], kv[0].shape[3]
+    if len(kv) == 2:
+        kv[0].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        kv[1].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        return k, v
+    fresh = []
+    for i, x in enumerate((k, v)):
+        values, row_scale = quantize_kv(x, kv[i].dtype)
+        kv[i].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, values)
+        kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, row_scale)
+        fresh.append(dequantize_kv(values, row_scale, dtype))
+    return fresh[0], fresh[1]
+
+
+# (config.py's ATTENTION_BACKEND_CHOICES lists these names for the flag; a test holds the two equal)
+ATTENTION_BACKENDS: dict[str, type[TorchPagedAttention]] = {"torch": TorchPagedAttention, "cpu": CPUPagedAttention}
+
+
+def get_backend(name: str = "auto", kernels: bool = False) -> TorchPagedAttention:
+    """The backend ``name`` names; ``auto``: ``cpu`` where the CPU kernels run the model (``kernels``), else
+    ``torch``."""
+    if name == "auto":
+        name = "cpu" if kernels else "torch"
+    if name == "cpu" and not kernels:
+        raise ValueError("--attention-backend cpu runs the CPU kernels' paged attention, which need float32 on the "
+                         "CPU with the kernels built (see the log's kernel line); use --attention-backend auto or "
+                         "torch")
     try:
-        return _BACKENDS[name]()
+        return ATTENTION_BACKENDS[name]()
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}") from None
+        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
+                         f"{', '.join(ATTENTION_BACKENDS)}") from None

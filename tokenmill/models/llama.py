@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.distributed.sharding import expert_range
+from tokenmill.distributed.pipeline import model_stage_layers, stage_config
+from tokenmill.distributed.sharding import dispatches_all_to_all, expert_range, local_config, padded_vocab
 from tokenmill.layers.attention import AttentionMetadata, TorchPagedAttention
 from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear, StackedLinear
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -156,8 +158,6 @@ class DecoderLayer(nn.Module):
             # The shared expert: split by width, its partial sum joining the experts' in SparseMoE's one
             # all-reduce; under the all-to-all dispatch whole on every rank (cfg holds its 1/T: undone
             # here), run over the rank's share of the tokens (distributed/sharding.py loads it whole)
-            from tokenmill.distributed.sharding import dispatches_all_to_all
-
             if dispatches_all_to_all(tp):
                 shared *= tp.size
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
@@ -205,10 +205,9 @@ class DecoderLayer(nn.Module):
 
     def fused_halves(self) -> tuple:
         """(attention, MLP): each half's (weights, kernel formats) for the fused kernels, or None where the
-        half runs op by op (no kernels, fusion off, a family's extras, float weights)."""
+        half runs op by op (no kernels, fusion off, a family's extras, float weights, an attention backend
+        other than the CPU kernels')."""
         if self._halves is None:
-            from tokenmill.layers.quant import FORMAT_IDS, QuantizedLinear, StackedLinear
-
             def quantized(*lins) -> bool:  # (only q/k/v may have a bias: the kernel adds it)
                 return all(isinstance(lin, QuantizedLinear) and lin.bias is None for lin in lins)
 
@@ -232,7 +231,8 @@ class DecoderLayer(nn.Module):
 
             a, m = self.self_attn, self.mlp
             on = self.ops is not None and self.fuse
-            self._halves = (attention() if on and self._plain[0] else None, mlp() if on and self._plain[1] else None)
+            fused_attention = on and self._plain[0] and a.backend.fuses_layers  # (the cpu backend's kernel inside)
+            self._halves = (attention() if fused_attention else None, mlp() if on and self._plain[1] else None)
         return self._halves
 
 
@@ -246,9 +246,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: TorchPagedAttention, max_positions: int, tp=None) -> None:
         super().__init__()
-        from tokenmill.distributed.pipeline import model_stage_layers, stage_config
-        from tokenmill.distributed.sharding import local_config, padded_vocab
-
         self.whole_cfg = cfg  # the whole model's (a pipeline stage's cfg holds its layers only)
         if tp is not None and tp.pipeline:  # a pipeline stage: its layers, renumbered from 0 (and split
             self.layer_range = model_stage_layers(cfg, tp.stage, tp.num_stages)  # over its tensor group)
@@ -260,6 +257,7 @@ class LlamaForCausalLM(nn.Module):
         rows = self.vocab_rows = cfg.vocab_size if tp is None else padded_vocab(cfg.vocab_size, tp.size) // tp.size
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size,
                                          _weight=torch.empty(rows, cfg.hidden_size))  # (no random init)
+        self.attention_backend = backend  # (one instance, shared by every layer)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, rows, bias=False)

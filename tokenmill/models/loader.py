@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.pipeline import check_pipeline_parallel, model_stage_layers, stage_name
+from tokenmill.distributed.sharding import (check_tensor_parallel, dispatches_all_to_all, holds_weight,
+                                            shard_quantized, shard_weight)
 from tokenmill.layers.attention import get_backend
 from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
 from tokenmill.models.gguf_loader import (gguf_layers_quantized, gguf_model_config, gguf_quantized_weights,
@@ -49,7 +52,7 @@ def model_config_of(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               attention_backend: str = "torch", quantization: str = "none",
+               attention_backend: str = "auto", quantization: str = "none",
                phase: Callable[[str], None] = lambda name: None, tp=None) -> LoadedModel:
     """phase(name) is called as each startup phase ends (tokenizer, weights). ``tp`` (a TPGroup): load
     this tensor-parallel rank's shard (distributed/sharding.py)."""
@@ -72,8 +75,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         weights = gguf_weights(reader, cfg, frozenset(kept))
     group = tp  # the model's: its stage under pipeline parallelism; tp becomes the stage's tensor group
     if tp is not None and tp.size > 1 and tp.pipeline:  # this stage's layers, renumbered from 0
-        from tokenmill.distributed.pipeline import check_pipeline_parallel, model_stage_layers, stage_name
-
         check_pipeline_parallel(cfg, tp.num_stages)
         first, last = model_stage_layers(cfg, tp.stage, tp.num_stages)
         weights = ((new, w) for n, w in weights if (new := stage_name(n, first, last)) is not None)
@@ -81,9 +82,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
             raw = raw.remap(lambda n: stage_name(n, first, last))
         tp = tp.tensor
     if tp is not None and tp.size > 1:
-        from tokenmill.distributed.sharding import (check_tensor_parallel, dispatches_all_to_all, holds_weight,
-                                                    shard_quantized, shard_weight)
-
         rank, size, ep, whole = tp.rank, tp.size, tp.expert_parallel, dispatches_all_to_all(tp)
         check_tensor_parallel(cfg, size, quantized=quantization != "none", expert_parallel=ep)
         weights = ((n, w if w is None else shard_weight(n, w, cfg, rank, size, ep, whole))
@@ -98,10 +96,13 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     max_model_len = max_model_len or cfg.max_position_embeddings
     # Built in the compute dtype: each checkpoint tensor is converted as it is copied in, so a bf16
     # checkpoint run in bf16 never takes float32 memory (RoPE tables are float32 whatever the default).
+    # On the CPU in float32 every mode runs the kernels (fused elementwise ops, paged attention, and for
+    # none float32 GEMMs in one summation order): batch invariant whatever the weights.
+    kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = LlamaForCausalLM(cfg, get_backend(attention_backend), max_model_len, group)
+        model = LlamaForCausalLM(cfg, get_backend(attention_backend, kernels), max_model_len, group)
     finally:
         torch.set_default_dtype(default)
     model.load_weights(weights)
@@ -112,9 +113,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         logger.warning("--quantization %s: no quantized kernels here (%s); weights are dequantized on first "
                        "use, so they take float memory", quantization, why)
     model.to(device=device)  # (parameters are in the compute dtype already; RoPE tables stay float32)
-    # On the CPU in float32 every mode runs the kernels (fused elementwise ops, paged attention, and for
-    # none float32 GEMMs in one summation order): batch invariant whatever the weights.
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
+    if kernels:
         if quantization == "none":
             panel_model(model, cpu_kernels())
         model.use_fused_ops(cpu_kernels())

@@ -118,7 +118,7 @@ class Scrape:
 
     @property
     def is_router(self) -> bool:
-        """Whether it is tokenmill's prefill/decode router (kv_transfer/router.py)."""
+        """Whether it is tokenmill's prefill/decode router (server/router.py)."""
         return "tokenmill:router_prefill_seconds_count" in self.values
 
 

@@ -35,7 +35,7 @@ Speculative decoding, k drafts per decoding request, each accepted i.i.d. with p
   prediction scaled by the draft/target weight bytes, ``draft_weight_ratio``);
 - tokens per step: accepted drafts plus the one the target samples after them,
   E = 1 + A + ... + A^k = (1 - A^(k+1)) / (1 - A) (Leviathan et al. 2023, eq. 1), k + 1 at A = 1;
-- the off rule (spec_decode/policy.py) prices d drafts from the target's and the drafter's step times
+- the off rule (core/draft_policy.py) prices d drafts from the target's and the drafter's step times
   over n tokens of one request at position 0 (``probe_shape``), as the engine times them at startup.
 
 Prefill/decode disaggregation (sim/simulator.py ``Disaggregation``): a producer instance computes a prompt

@@ -31,6 +31,7 @@ from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from tokenmill.server.responses import _error_response, json_response
 from tokenmill.server.serving import ServerConfig, ServingBase, _validation_error
 from tokenmill.server.streaming import _ClientGone
+from tokenmill.version import __version__
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -139,6 +140,4 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
 
 def _version() -> str:
-    from tokenmill import __version__
-
     return __version__

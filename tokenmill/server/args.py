@@ -74,7 +74,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``tokenmill router`` (kv_transfer/router.py)."""
+    """Flags of ``tokenmill router`` (server/router.py)."""
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                    help="prefill instances (`tokenmill serve --kv-role producer`), e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL",

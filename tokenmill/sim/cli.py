@@ -294,7 +294,7 @@ def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN2
 
 def workload(a: argparse.Namespace):  # noqa: ANN201
     from tokenmill.bench.datasets import PromptMaker, sample_requests
-    from tokenmill.tokenizer import load_tokenizer
+    from tokenmill.models.tokenizer_loader import load_tokenizer
     from tokenmill.bench.datasets import dataset_spec
 
     spec = dataset_spec(a)

@@ -60,6 +60,7 @@ from tokenmill.core.step_planner import SLOAdmission, SLOPlanner
 from tokenmill.perf.cost import kv_transfer_seconds, kv_transfer_tokens
 from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts, draft_cost_model
 from tokenmill.spec_decode.stats import step_acceptance, summarize
+from tokenmill.spec_decode.step import propose_drafts
 
 SIM_TOKEN = 1  # what every simulated step "samples": any id that is not a stop token
 
@@ -146,7 +147,9 @@ class _Instance:
         self.kv = KVCacheManager(sim.num_blocks, sim.block_size, sim.enable_prefix_caching)
         spec = sim.spec
         self.proposer = SimProposer(spec, sim.block_size, sim.draft_cost) if spec is not None else None
-        self.sched = Scheduler(sim.config, self.kv, sim.max_model_len, self.proposer)
+        self.sched = Scheduler(sim.config, self.kv, sim.max_model_len)
+        if self.proposer is not None:
+            self.sched.finish_hooks.append(self.proposer.finish)
         self.admission = None
         if sim.config.plans_steps:  # the engine's SLO planner, on the cost model as the truth
             self.sched.planner = SLOPlanner(sim.config, sim.cost)
@@ -431,6 +434,8 @@ class _Run:
                                                                           spec.acceptance))
                        for s in out.scheduled if s.needs_logits}
         x.sched.update_from_output(out, ModelRunnerOutput(sampled))
+        if x.proposer is not None:  # the next step's drafts (priced when it launches, as rank 0 runs them first)
+            propose_drafts(x.sched, x.proposer)
         drafted = accepted = 0
         if x.proposer is not None:
             stats = step_acceptance(out.scheduled, sampled, spec.k)

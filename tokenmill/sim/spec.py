@@ -18,7 +18,7 @@ import numpy as np
 
 from tokenmill.perf.cost import draft_passes, probe_shape
 from tokenmill.perf.step_cost import StepShape
-from tokenmill.spec_decode.policy import PROBE_SIZES, DraftCostModel
+from tokenmill.core.draft_policy import PROBE_SIZES, DraftCostModel
 
 # Per-draft acceptance where none is given: n-gram drafts on recurring text here (BENCHMARKS.md,
 # "n-gram drafts": accepted at positions 1..3 of 0.83/0.65/0.48 at batch 1, 0.87/0.66/0.63 at 8 and
@@ -56,9 +56,9 @@ def accepted_drafts(rng: np.random.Generator, drafts: int, acceptance: float) ->
 
 
 class SimProposer:
-    """The drafter interface of ``spec_decode`` (``k``, ``draft_cost``, ``may_draft``, ``propose_batch``,
-    ``finish``) without a model: stand-in drafts, and for a draft model the passes it would run, which
-    the simulator prices and clears after each ``schedule()`` (``take_passes``)."""
+    """The drafter interface of ``spec_decode`` (spec_decode/step.py's Drafter) without a model: stand-in
+    drafts, and for a draft model the passes it would run, proposed after a step as the engine's are and
+    priced when the next step launches (``take_passes``), as rank 0 runs them before it."""
 
     def __init__(self, spec: SpecDecoding, block_size: int, draft_cost) -> None:  # noqa: ANN001
         self.spec, self.k, self.block_size = spec, spec.k, block_size

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from tokenmill.core.sched_output import ScheduledRequest
-from tokenmill.spec_decode.policy import DRAFT_COST, constant_cost
+from tokenmill.core.draft_policy import DRAFT_COST, constant_cost
 from tokenmill.spec_decode.rejection import sample_from
 
 # a drafter's private stream for a seeded request differs from the target's stream of the same seed

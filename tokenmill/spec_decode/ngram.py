@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.spec_decode.policy import DRAFT_COST, constant_cost
+from tokenmill.core.draft_policy import DRAFT_COST, constant_cost
 
 
 class NgramProposer:

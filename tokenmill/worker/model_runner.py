@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,11 @@ from tokenmill.perf.cost import kv_bytes_per_token
 from tokenmill.spec_decode.rejection import verify_drafts
 from tokenmill.structured_output import GrammarCompiler, RequestConstraints, banned_by_bad_words
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tokenmill.distributed.pipeline import PendingLogits
 
 
 @dataclass
@@ -89,8 +94,19 @@ def _advance(st: _RequestState, tokens: list[int]) -> None:
         st.matcher.consume_tokens(tokens)
 
 
+class Forwarder(Protocol):
+    """How a forward pass reaches every rank (an executor, executor/): the runner calls ``run_forward`` with
+    its own share (``local_forward``); under pipeline parallelism the pass comes back in flight (``wait``)."""
+
+    def run_forward(self, order: list[ScheduledRequest], logits_rows: list[int],
+                    local_forward: Callable[[list[ScheduledRequest], list[int]], object]) -> object: ...
+
+    def wait(self, pending: PendingLogits) -> torch.Tensor: ...
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches, block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_caches, block_size: int, device: torch.device, seed: int,
+                 executor: Forwarder | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -100,9 +116,9 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
         self.grammars: GrammarCompiler | None = None  # set by the engine: structured outputs
-        # tensor parallelism, on the driver (rank 0): every forward pass is first sent to the workers,
-        # which run the same one on their shards (distributed/executor.py)
-        self.executor = None
+        # on the driver (rank 0) under tensor or pipeline parallelism: every forward pass is first sent to the
+        # other ranks, which run the same one on their shards (executor/); None: this process is every rank
+        self.executor = executor
         self.pipeline = None  # (group, micro-batches) when this rank is a pipeline stage (distributed/pipeline.py)
 
     # ---- request state ---------------------------------------------------------------
@@ -258,10 +274,10 @@ class ModelRunner:
         """The forward pass started: its logits, or on a pipeline's rank 0 the pass in flight. Under tensor
         or pipeline parallelism the driver sends the same pass to every worker first."""
         if self.executor is not None:
-            return self.executor.run_forward(order, logits_rows, self._local_forward)
-        return self._local_forward(order, logits_rows)
+            return self.executor.run_forward(order, logits_rows, self.local_forward)
+        return self.local_forward(order, logits_rows)
 
-    def _local_forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+    def local_forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
         if self.pipeline is not None:
             group, micro_batches = self.pipeline
             return pipelined_forward(self, group, order, logits_rows, micro_batches)
