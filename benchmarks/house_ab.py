@@ -2,8 +2,11 @@
 same model and workload, alternated round by round in fresh processes on this machine.
 
 Each round runs, for tree A then tree B (B then A on odd rounds), one process that loads the model and measures
-- decode: one sequence, 128 tokens after a 1-token prompt (tok/s over the 127 gaps after the first token);
-- batched: --batch sequences of --batch-len prompt + --batch-len generated tokens, total tok/s.
+- decode: one sequence, 128 tokens after a 1-token prompt (tok/s over the 127 gaps after the first token), and
+  the median decode step's time outside its forward pass (what a restructuring of the Python side can move);
+- batched: --batch sequences of --batch-len prompt + --batch-len generated tokens, total tok/s, and tokens per
+  second of the process's CPU time (all threads): on a VM whose neighbours take cycles (steal), the CPU time
+  counts only the cycles the process had, so it is the steadier of the two.
 The figures to quote are the medians of the per-round ratios B / A: a shared machine's speed drifts within
 minutes, and a ratio from one round compares two runs minutes apart at most.
 
@@ -33,13 +36,18 @@ prompts = lambda n, length: [torch.randint(100, 20000, (length,), generator=g).t
 greedy = dict(temperature=0, ignore_eos=True)
 llm.generate(prompts(2, 64), SamplingParams(max_tokens=8, **greedy), use_tqdm=False)  # warm up
 dec = []
+llm.engine.step_stats.clear()
 for _ in range(3):
     m = llm.generate(prompts(1, 1), SamplingParams(max_tokens=128, **greedy), use_tqdm=False)[0].metrics[0]
     dec.append(127 / (m.token_times[-1] - m.token_times[0]))
-t = time.perf_counter()
+# what a decode step spends outside the forward pass (schedule, inputs, sample, apply, outputs): the house's
+overhead = statistics.median(s.duration - s.forward_s for s in llm.engine.step_stats if s.num_decode_tokens)
+t, cpu = time.perf_counter(), time.process_time()
 llm.generate(prompts(batch, batch_len), SamplingParams(max_tokens=batch_len, **greedy), use_tqdm=False)
-print(json.dumps({"decode_tok_s": statistics.median(dec),
-                  "batched_tok_s": batch * 2 * batch_len / (time.perf_counter() - t)}))
+n = batch * 2 * batch_len
+print(json.dumps({"decode_tok_s": statistics.median(dec), "decode_overhead_ms": 1e3 * overhead,
+                  "batched_tok_s": n / (time.perf_counter() - t),
+                  "batched_tok_per_cpu_s": n / (time.process_time() - cpu)}))
 """
 
 
