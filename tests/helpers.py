@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.core.sched_output import ForwardRow
 from tokenmill.layers.kernels import cpu_kernels, kernels_expected, unavailable_reason
 
 # Kernel tests skip only where the kernels cannot exist (not x86 with AVX2, or no compiler); where they
@@ -38,7 +38,7 @@ def prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
     table = kv.allocate_slots("__probe__", len(token_ids))
     assert table is not None
     try:
-        ids, pos, meta = engine.runner._inputs([ScheduledRequest("__probe__", list(token_ids), 0, table, True)])
+        ids, pos, meta = engine.runner.inputs([ForwardRow(list(token_ids), 0, table)])
         return engine.runner.model(ids, pos, engine.runner.kv_caches, meta, pos)
     finally:
         kv.free("__probe__")

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import BlockPool, KVCacheManager, cdiv
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import BlockTables, ModelRunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -250,6 +250,7 @@ class CheckingRunner:
         self.ever_new: set[str] = set()
         self.hits = 0  # steps that started a request past a cached prefix
         self.swaps_in = 0
+        self.tables = BlockTables()  # kept from the steps' diffs, as the model runner keeps them
 
     def _slot(self, table: list[int], p: int) -> int:
         return table[p // self.bs] * self.bs + p % self.bs
@@ -279,6 +280,7 @@ class CheckingRunner:
             self.ever_new.add(nr.request_id)
             self.states[nr.request_id] = {"tokens": nr.prompt_token_ids + nr.output_token_ids,
                                           "num_prompt": len(nr.prompt_token_ids), "computed": 0}
+        self.tables.apply(out)
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids)) and len(ids) <= cfg.max_num_seqs
         assert sum(len(s.token_ids) for s in out.scheduled) <= cfg.max_num_batched_tokens
@@ -294,19 +296,22 @@ class CheckingRunner:
                 assert s.start_pos == st_["computed"]
             assert s.token_ids == st_["tokens"][s.start_pos:end]
             assert s.needs_logits == (end == len(st_["tokens"]))
-            assert len(s.block_table) * self.bs >= end
+            table = self.tables[s.request_id]
+            held = self.sched.kv_cache.block_tables.get(s.request_id, table)  # (freed: aborted in flight)
+            assert table == held, f"{s.request_id}: the diffs lost a block"
+            assert len(table) * self.bs >= end
             for p in range(s.start_pos, end):
-                block = s.block_table[p // self.bs]
+                block = table[p // self.bs]
                 assert pool.ref_cnt[block] == 1, f"{s.request_id} writes into block {block}, which others hold"
                 # A slot's KV is a function of every token up to and including its position.
-                self.slots[self._slot(s.block_table, p)] = tuple(st_["tokens"][: p + 1])
+                self.slots[self._slot(table, p)] = tuple(st_["tokens"][: p + 1])
             st_["computed"] = end
         for s in out.scheduled:
             if s.needs_logits:
                 st_ = self.states[s.request_id]
                 end = s.start_pos + len(s.token_ids)
                 for p in range(end):
-                    assert self.slots[self._slot(s.block_table, p)] == tuple(st_["tokens"][: p + 1]), \
+                    assert self.slots[self._slot(self.tables[s.request_id], p)] == tuple(st_["tokens"][: p + 1]), \
                         f"{s.request_id}: KV at position {p} is not this request's"
                 t = model_token(s.request_id, end - st_["num_prompt"])
                 st_["tokens"].append(t)
@@ -459,6 +464,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.is_empty
         self.runner.execute(out)
         assert self.runner.states == {}, "the runner was never told some requests finished"
+        assert self.runner.tables == {}, "the runner kept the table of a request that ended"
         self.stats["examples"] += 1
         self.stats["with_preemption"] += self.preempted
         self.stats["with_prefix_hits"] += self.runner.hits > 0

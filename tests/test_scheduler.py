@@ -11,6 +11,7 @@ No torch, no model: everything here runs in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import Counter
 
@@ -19,7 +20,7 @@ import pytest
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager, cdiv
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import BlockTables, ModelRunnerOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -65,6 +66,7 @@ class FakeRunner:
         self.finished_seen: list[str] = []
         self.script = script or {}  # rid -> forced output tokens, by output index
         self.outputs: list[SchedulerOutput] = []
+        self.tables = BlockTables()  # kept from the steps' diffs, as the model runner keeps them
 
     def token_for(self, rid: str, idx: int) -> int:
         forced = self.script.get(rid)
@@ -93,6 +95,7 @@ class FakeRunner:
                 "num_prompt": len(nr.prompt_token_ids),
                 "computed": 0,
             }
+        self.tables.apply(out)
         ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids)), f"a request scheduled twice in one step: {ids}"
         assert len(ids) <= cfg.max_num_seqs
@@ -108,9 +111,12 @@ class FakeRunner:
             assert s.start_pos == st["computed"], f"{s.request_id}: start {s.start_pos} != computed {st['computed']}"
             assert s.token_ids == st["tokens"][s.start_pos:end], f"{s.request_id}: wrong token ids"
             assert s.needs_logits == (end == len(st["tokens"]))
-            assert len(s.block_table) * self.bs >= end, f"{s.request_id}: block table too short for {end} tokens"
+            table = self.tables[s.request_id]
+            held = self.sched.kv_cache.block_tables.get(s.request_id, table)  # (freed: aborted in flight)
+            assert table == held, f"{s.request_id}: the diffs lost a block"
+            assert len(table) * self.bs >= end, f"{s.request_id}: block table too short for {end} tokens"
             for p in range(s.start_pos, end):
-                self.slots[self._slot(s.block_table, p)] = (s.request_id, p, s.token_ids[p - s.start_pos])
+                self.slots[self._slot(table, p)] = (s.request_id, p, s.token_ids[p - s.start_pos])
             st["computed"] = end
         sampled: dict[str, list[int]] = {}
         for s in out.scheduled:
@@ -119,7 +125,7 @@ class FakeRunner:
             st = self.states[s.request_id]
             end = s.start_pos + len(s.token_ids)
             for p in range(end):  # "attention" reads every earlier position's KV
-                got = self.slots[self._slot(s.block_table, p)]
+                got = self.slots[self._slot(self.tables[s.request_id], p)]
                 assert got == (s.request_id, p, st["tokens"][p]), f"{s.request_id}: KV at position {p} is {got}"
             t = self.token_for(s.request_id, end - st["num_prompt"])
             st["tokens"].append(t)
@@ -518,6 +524,28 @@ def test_new_requests_sent_exactly_once_even_across_preemption():
         assert n.output_token_ids == []
         assert n.sampling_params is r.sampling_params
         assert n.eos_token_ids == frozenset({EOS})
+
+
+def test_a_step_carries_only_the_blocks_added_since_the_last():
+    """The contract's per-step diff: a request's whole table on its first step, then only blocks appended since
+    (none most decode steps), and its whole new table again after a preemption freed the old one."""
+    sched, runner, reqs = _preemption_setup()
+    first = scheduled(runner.outputs[0])
+    assert first["a"].new_table and first["a"].new_block_ids == sched.kv_cache.block_tables["a"]
+    out, _ = step(sched, runner)  # a's 5th token takes a second block; c is preempted for it
+    a = scheduled(out)["a"]
+    assert not a.new_table and len(a.new_block_ids) == 1
+    assert a.new_block_ids == sched.kv_cache.block_tables["a"][1:]
+    assert scheduled(out)["b"].new_block_ids == [] and not scheduled(out)["b"].new_table
+    assert out.preempted_request_ids == ["c"] and "c" not in runner.tables
+    for _ in steps_while(lambda: "c" not in {s.request_id for s in out.scheduled}):
+        out, _ = step(sched, runner)
+    c = scheduled(out)["c"]
+    assert c.new_table and c.new_block_ids == sched.kv_cache.block_tables["c"]
+    # a scheduler whose diffs dropped the flag would leave the runner extending c's freed table
+    wrong = BlockTables({"c": [99]})
+    wrong.apply(SchedulerOutput([dataclasses.replace(c, new_table=False)]))
+    assert wrong["c"] != sched.kv_cache.block_tables["c"]
 
 
 # ---- admission checks -----------------------------------------------------------------

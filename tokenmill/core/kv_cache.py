@@ -137,6 +137,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks so far
         self._num_registered: dict[str, int] = {}  # per request: leading table blocks already in the map
+        self._num_taken: dict[str, int] = {}  # per request: leading table blocks the runner was told of
 
     @property
     def num_blocks(self) -> int:
@@ -216,8 +217,17 @@ class KVCacheManager:
         self.block_tables[request_id] = table
         return table
 
+    def take_new_blocks(self, request_id: str) -> tuple[list[int], bool]:
+        """The blocks added to the request's table since the last call, and whether its table is new since
+        then (its first call, or its blocks were freed between: they are the whole table)."""
+        table = self.block_tables[request_id]
+        taken = self._num_taken.get(request_id)
+        self._num_taken[request_id] = len(table)
+        return (list(table) if taken is None else table[taken:]), taken is None
+
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)
+        self._num_taken.pop(request_id, None)
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         if table:

@@ -1,6 +1,11 @@
 """The scheduler-to-runner contract: what a step asks the model runner to compute (``SchedulerOutput``) and what
 comes back (``ModelRunnerOutput``). Imports nothing of tokenmill at run time, so the runner, its workers, the
-drafters, the KV connector and the simulator depend on these types, not on the scheduler."""
+drafters, the KV connector and the simulator depend on these types, not on the scheduler.
+
+A request's data crosses once (``NewRequestData``, its first step); each step then carries only what changed:
+the tokens to compute, where they start, and the blocks added to the request's table since the runner last
+saw it (``ScheduledRequest.new_block_ids``). The runner keeps its own copy of every table (``BlockTables``);
+nothing the scheduler keeps is shared with it by reference."""
 
 from __future__ import annotations
 
@@ -28,10 +33,41 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the ids to compute this step
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
-    block_table: list[int]
+    # blocks appended to the request's table since its last step; with new_table, its whole table (its first
+    # step, or its blocks were freed since: a preemption, a failed KV transfer)
+    new_block_ids: list[int]
     needs_logits: bool  # this chunk ends the known tokens: sample the next one
     num_draft_tokens: int = 0  # speculative decoding: token_ids[1:] are drafts to verify (logits for each)
     draft_probs: Any = None  # the [drafts, vocab] distributions sampled drafts came from; None: point drafts
+    new_table: bool = True
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    """One request's part of a forward pass with its table resolved: what the runner's inputs are built from,
+    what it sends the other ranks (they keep no request state) and what a drafter's passes run."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class BlockTables(dict):
+    """A runner's copy of every request's block table (request id -> block ids), kept from the steps' diffs."""
+
+    def apply(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.pop(rid, None)
+        for rid in sched.preempted_request_ids:
+            self.pop(rid, None)
+        for s in sched.scheduled:
+            if s.new_table:
+                self[s.request_id] = list(s.new_block_ids)
+            elif s.new_block_ids:
+                self[s.request_id].extend(s.new_block_ids)
+
+    def row(self, s: ScheduledRequest) -> ForwardRow:
+        return ForwardRow(s.token_ids, s.start_pos, self[s.request_id])
 
 
 @dataclass(frozen=True)

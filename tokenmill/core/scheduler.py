@@ -342,17 +342,10 @@ class Scheduler:
         needs_logits = start + num_new == req.num_tokens
         if self.lanes > 1:
             self.in_flight.add(req.request_id)
-        out.scheduled.append(
-            ScheduledRequest(
-                req.request_id,
-                req.token_ids_slice(start, start + num_new) + list(drafts),
-                start,
-                self.kv_cache.block_tables[req.request_id],
-                needs_logits,
-                len(drafts),
-                draft_probs,
-            )
-        )
+        new_blocks, new_table = self.kv_cache.take_new_blocks(req.request_id)
+        token_ids = req.token_ids_slice(start, start + num_new) + list(drafts)
+        out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, needs_logits, len(drafts),
+                                              draft_probs, new_table))
         # A single new token after the prompt is a decode (with its drafts); anything else is (re)prefill work.
         if num_new == 1 and start >= req.num_prompt_tokens:
             out.num_decode_tokens += 1 + len(drafts)

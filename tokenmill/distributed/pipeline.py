@@ -196,7 +196,7 @@ def pipelined_forward(runner, group, order: list, logits_rows: list[int], m: int
             work.wait()
     sends = []  # (work, tensor): sends in flight, their buffers kept alive until they complete
     for k, (mb, n, rows) in enumerate(plan):
-        input_ids, positions, meta = runner._inputs(mb)
+        input_ids, positions, meta = runner.inputs(mb)
         if stage == 0:
             x = model.embed(input_ids)
         else:

@@ -12,11 +12,11 @@ if TYPE_CHECKING:
     import torch
 
     from tokenmill.config import EngineConfig
-    from tokenmill.core.sched_output import ScheduledRequest
+    from tokenmill.core.sched_output import ForwardRow
     from tokenmill.distributed.group import TPGroup
     from tokenmill.distributed.pipeline import PendingLogits
 
-    LocalForward = Callable[[list[ScheduledRequest], list[int]], object]
+    LocalForward = Callable[[list[ForwardRow], list[int]], object]
 
 
 class Executor(Forwarder, Protocol):
@@ -51,7 +51,7 @@ class UniprocExecutor:
     def start_workers(self, num_blocks: int) -> None:
         pass
 
-    def run_forward(self, order: list[ScheduledRequest], logits_rows: list[int], local_forward: LocalForward):
+    def run_forward(self, order: list[ForwardRow], logits_rows: list[int], local_forward: LocalForward):
         return local_forward(order, logits_rows)
 
     def wait(self, pending: PendingLogits) -> torch.Tensor:

@@ -42,7 +42,7 @@ from tokenmill.worker.worker import run_rank
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from tokenmill.core.sched_output import ScheduledRequest
+    from tokenmill.core.sched_output import ForwardRow
     from tokenmill.distributed.group import TPGroup
     from tokenmill.distributed.pipeline import PendingLogits
     from tokenmill.executor.base import LocalForward
@@ -116,7 +116,7 @@ class MultiprocExecutor:
                             self.group.all_reduce_(torch.zeros(1, device=self.device))))
         self.group.reset_counters()
 
-    def run_forward(self, order: list[ScheduledRequest], logits_rows: list[int], local_forward: LocalForward):
+    def run_forward(self, order: list[ForwardRow], logits_rows: list[int], local_forward: LocalForward):
         """Send one forward pass to the workers, run the driver's share: the logits, or under pipeline
         parallelism the pass in flight (distributed/pipeline.py's PendingLogits; ``wait`` for it)."""
         msg = Forward([(list(s.token_ids), s.start_pos, list(s.block_table)) for s in order], logits_rows)

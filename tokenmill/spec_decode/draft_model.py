@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.core.sched_output import ForwardRow
 from tokenmill.core.draft_policy import DRAFT_COST, constant_cost
 from tokenmill.spec_decode.rejection import sample_from
 
@@ -95,9 +95,9 @@ class DraftModelProposer:
         step = [(rid, c, new, start) for rid, c, new, start, _ in entries]
         rooms = {rid: room for rid, _, _, _, room in entries}
         while step:
-            scheduled = [ScheduledRequest(rid, list(new), start, c.block_table, True) for rid, c, new, start in step]
+            scheduled = [ForwardRow(list(new), start, c.block_table) for rid, c, new, start in step]
             order = sorted(range(len(step)), key=lambda i: len(scheduled[i].token_ids) > 1)  # decodes first
-            input_ids, positions, meta = self.runner._inputs([scheduled[i] for i in order])
+            input_ids, positions, meta = self.runner.inputs([scheduled[i] for i in order])
             ends = torch.tensor([len(scheduled[i].token_ids) for i in order]).cumsum(0) - 1
             logits = self.runner.model(input_ids, positions, self.runner.kv_caches, meta, ends.to(self.runner.device))
             cs = [step[i][1] for i in order]

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import (BlockTables, ForwardRow, ModelRunnerOutput, NewRequestData, ScheduledRequest,
+                                         SchedulerOutput)
 from tokenmill.distributed.pipeline import pipelined_forward
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
 from tokenmill.layers.sampler import Sampler, SamplingBatch
@@ -98,8 +99,8 @@ class Forwarder(Protocol):
     """How a forward pass reaches every rank (an executor, executor/): the runner calls ``run_forward`` with
     its own share (``local_forward``); under pipeline parallelism the pass comes back in flight (``wait``)."""
 
-    def run_forward(self, order: list[ScheduledRequest], logits_rows: list[int],
-                    local_forward: Callable[[list[ScheduledRequest], list[int]], object]) -> object: ...
+    def run_forward(self, order: list[ForwardRow], logits_rows: list[int],
+                    local_forward: Callable[[list[ForwardRow], list[int]], object]) -> object: ...
 
     def wait(self, pending: PendingLogits) -> torch.Tensor: ...
 
@@ -114,6 +115,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.states: dict[str, _RequestState] = {}
+        self.block_tables = BlockTables()  # every request's table, kept from the steps' diffs
         self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
         self.grammars: GrammarCompiler | None = None  # set by the engine: structured outputs
         # on the driver (rank 0) under tensor or pipeline parallelism: every forward pass is first sent to the
@@ -173,6 +175,7 @@ class ModelRunner:
             self._swap_in(rid, blocks)
         for r in sched.new_requests:
             self._add(r)
+        self.block_tables.apply(sched)
         if not sched.scheduled:
             return None
 
@@ -193,7 +196,8 @@ class ModelRunner:
             if s.needs_logits:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
-        logits = self._start_forward(order, sample_rows + [r for _, r, _ in prompt_rows])
+        rows = [self.block_tables.row(s) for s in order]
+        logits = self._start_forward(rows, sample_rows + [r for _, r, _ in prompt_rows])
         return _Launched(logits, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0)
 
     @torch.inference_mode()
@@ -251,13 +255,12 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of token_ids ([len - 1, vocab]), computed as one prefill
         chunk into block_table's blocks through the same inputs a scheduled step gets."""
-        s = ScheduledRequest("__score__", list(token_ids), 0, list(block_table), True)
-        return self._forward([s], list(range(len(token_ids) - 1)))
+        return self._forward([ForwardRow(list(token_ids), 0, list(block_table))], list(range(len(token_ids) - 1)))
 
     def time_forward(self, num_tokens: int, block_table: list[int], repeats: int = 3, warm_up: bool = True) -> float:
         """Median seconds of a forward pass over num_tokens of one request at position 0 (logits for
         each), after a warm-up: what the speculative off rule is calibrated with."""
-        s = ScheduledRequest("__probe__", [0] * num_tokens, 0, list(block_table), True)
+        s = ForwardRow([0] * num_tokens, 0, list(block_table))
         times = []
         for _ in range(repeats + int(warm_up)):
             t = time.perf_counter()
@@ -265,27 +268,27 @@ class ModelRunner:
             times.append(time.perf_counter() - t)
         return sorted(times[int(warm_up):])[repeats // 2]
 
-    def _forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+    def _forward(self, order: list[ForwardRow], logits_rows: list[int]) -> torch.Tensor:
         """One forward pass over ``order`` (decodes first), logits for ``logits_rows`` of the flat batch."""
         out = self._start_forward(order, logits_rows)
         return out if isinstance(out, torch.Tensor) else self.executor.wait(out)
 
-    def _start_forward(self, order: list[ScheduledRequest], logits_rows: list[int]):
+    def _start_forward(self, order: list[ForwardRow], logits_rows: list[int]):
         """The forward pass started: its logits, or on a pipeline's rank 0 the pass in flight. Under tensor
         or pipeline parallelism the driver sends the same pass to every worker first."""
         if self.executor is not None:
             return self.executor.run_forward(order, logits_rows, self.local_forward)
         return self.local_forward(order, logits_rows)
 
-    def local_forward(self, order: list[ScheduledRequest], logits_rows: list[int]) -> torch.Tensor:
+    def local_forward(self, order: list[ForwardRow], logits_rows: list[int]) -> torch.Tensor:
         if self.pipeline is not None:
             group, micro_batches = self.pipeline
             return pipelined_forward(self, group, order, logits_rows, micro_batches)
-        input_ids, pos_t, meta = self._inputs(order)
+        input_ids, pos_t, meta = self.inputs(order)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, pos_t, self.kv_caches, meta, rows)
 
-    def _inputs(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def inputs(self, order: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat token ids, positions and attention metadata for requests laid out decodes first (one
         token each), then prefill chunks."""
         decodes = [s for s in order if len(s.token_ids) == 1]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.distributed.messages import Stop, receive_message
-from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.core.sched_output import ForwardRow
 from tokenmill.layers.kernels import apply_activation_precision, cpu_kernels
 from tokenmill.models.loader import load_model
 from tokenmill.models.registry import resolve_model
@@ -63,7 +63,7 @@ class Worker:
     def serve(self) -> None:
         """A rank other than the driver: run the driver's forward passes on this rank's shard until Stop."""
         while not isinstance(msg := receive_message(self.group), Stop):
-            order = [ScheduledRequest("", ids, start, table, False) for ids, start, table in msg.scheduled]
+            order = [ForwardRow(ids, start, table) for ids, start, table in msg.scheduled]
             self.runner.local_forward(order, msg.logits_rows)
 
 
