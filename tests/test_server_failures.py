@@ -26,9 +26,8 @@ import pytest
 
 from tokenmill.config import EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.assembly import make_scheduler
 from tokenmill.core.sched_output import ModelRunnerOutput
-from tokenmill.core.step_planner import SLOPlanner
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDrainingError, QueueFullError
 from tokenmill.engine.core import CoreParts, EngineCore
@@ -88,9 +87,7 @@ def fake_engine(*, num_blocks: int = 256, block_size: int = 16, max_model_len: i
     config = EngineConfig(scheduler=scheduler or SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096))
     model_config = ModelConfig("llama", tok.vocab_size, 64, 128, 2, 4, 2, 16, max_model_len)
     kv_cache = KVCacheManager(num_blocks, block_size)
-    sched = Scheduler(config.scheduler, kv_cache, max_model_len)
-    if config.scheduler.plans_steps:
-        sched.planner = SLOPlanner(config.scheduler, cost)
+    sched = make_scheduler(config.scheduler, kv_cache, max_model_len, cost)
     runner = FakeRunner(tok.encode(" the cat sat on the mat and the dog"), delay)
     info = CoreInfo("fake", "fake", model_config, max_model_len, "float32", "none", num_blocks, block_size, 0, False,
                     config)

@@ -25,7 +25,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from tokenmill.core.step_planner import SLOAdmission
+from tokenmill.core.assembly import make_admission
+from tokenmill.engine.admission import AdmissionGate
+from tokenmill.engine.observers import Observers
 from tokenmill.engine.streams import (AbortCommand, AddCommand, CallCommand, EngineDeadError, EngineDrainingError,
                                       EngineObserver, EngineSnapshot, QueueFullError, RequestStream, SLOShedError)
 from tokenmill.outputs import RequestOutput
@@ -50,28 +52,23 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be >= 0 or None, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.observers: list[EngineObserver] = list(observers)
+        self.observers = Observers(observers)
         if log_interval or log_requests:
             from tokenmill.engine.stat_logger import LoggingStatLogger
 
             self.observers.append(LoggingStatLogger(lambda: self.snapshot, engine, log_interval, log_requests))
         self.error: BaseException | None = None  # why the loop died
         self.snapshot = EngineSnapshot()
-        # SLO admission (core/step_planner.py), decided here on the caller's thread from the last step's
-        # forecast, so a shed request hears within milliseconds, not after the step in flight
+        # SLO admission on the caller's thread (engine/admission.py); its state is guarded by _cmd_lock
         sched = getattr(getattr(engine, "config", None), "scheduler", None)
-        self.admission = (SLOAdmission(sched.slo_ttft_ms, sched.slo_policy, fcfs=sched.policy == "fcfs")
-                          if sched is not None and sched.plans_steps else None)
-        # [the engine's num_sent once applied (None before), sequences, prompt tokens] per admission the
-        # snapshot's forecast does not include yet (the core's num_added has not reached it)
-        self._admitted: list[list] = []
+        admission = make_admission(sched) if sched is not None else None
+        self.admission = AdmissionGate(admission, self.observers.admission) if admission is not None else None
         self._commands: deque = deque()
         # guards _commands with _dead / _accepting / _stop; reentrant because RequestStream.__del__
         # (run by the garbage collector at any allocation) may call abort() while it is held
         self._cmd_lock = threading.RLock()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        self._progress: dict[str, list[int]] = {}  # request id -> output tokens seen per child (engine thread)
         self._dead = False
         self._accepting = True
         self._stop = False
@@ -145,7 +142,7 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         admission = self.admission
         num_tokens = 0
-        if admission is not None and (admission.ttft_s or slo_ttft_ms):
+        if admission is not None and admission.wants_tokens(slo_ttft_ms):
             ids = prompt if isinstance(prompt, list) else self.engine.tokenize_prompt(prompt, add_special_tokens)
             num_tokens = len(ids)
         with self._cmd_lock:
@@ -155,7 +152,14 @@ class AsyncEngine:
             if not self._accepting or self._stop:
                 stream.finished = True
                 raise EngineDrainingError("the server is shutting down and admits no new requests")
-            admitted = self._admit(num_tokens, params, priority, slo_ttft_ms, stream) if num_tokens else None
+            admitted = None
+            if num_tokens:
+                try:
+                    admitted = admission.admit(self.snapshot, num_tokens, params.n if isinstance(params, SamplingParams)
+                                               else 1, priority, slo_ttft_ms, request_id)
+                except SLOShedError:
+                    stream.finished = True
+                    raise
             self._commands.append(AddCommand(prompt, params, request_id, priority, add_special_tokens,
                                        arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params))
         self._wakeup.set()
@@ -170,42 +174,10 @@ class AsyncEngine:
             raise
         return stream
 
-    def _admit(self, num_tokens: int, params: SamplingParams, priority: int, slo_ttft_ms: float | None,
-               stream: RequestStream) -> list:
-        """Raise SLOShedError if the request's predicted TTFT misses its SLO under --slo-policy shed; else
-        return its entry among the admissions the forecast does not include yet."""
-        snap = self.snapshot
-        n = params.n if isinstance(params, SamplingParams) else 1
-        pending_seqs = sum(e[1] for e in self._admitted)
-        pending_tokens = sum(e[2] for e in self._admitted)
-        verdict = self.admission.check(snap.forecast, num_tokens, priority, slo_ttft_ms,
-                                       time.perf_counter() - snap.time, pending_seqs, pending_tokens)
-        if not verdict.admit:
-            stream.finished = True
-            self._tell_admission("ttft_slo")
-            target = slo_ttft_ms or 1e3 * self.admission.ttft_s
-            raise SLOShedError(
-                f"the server is at capacity for its latency targets: this request's first token is predicted "
-                f"in {verdict.predicted_ttft_s:.1f} s, past its {target:g} ms TTFT SLO; retry after "
-                f"{verdict.retry_after_s} s", verdict.retry_after_s)
-        if not verdict.meets:
-            self._tell_admission("predicted_miss")
-        logger.debug("request %s admitted: predicted TTFT %.3f s", stream.request_id, verdict.predicted_ttft_s)
-        entry = [None, n, n * verdict.prefill_tokens]
-        self._admitted.append(entry)
-        return entry
-
     def _forget_admission(self, entry: list | None) -> None:
         if entry is not None:
             with self._cmd_lock:
-                if entry in self._admitted:
-                    self._admitted.remove(entry)
-
-    def _tell_admission(self, outcome: str) -> None:
-        for obs in self.observers:
-            fn = getattr(obs, "on_admission", None)
-            if fn is not None:
-                self._notify(fn, outcome)
+                self.admission.forget(entry)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0, add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -299,7 +271,7 @@ class AsyncEngine:
             limit = self.max_waiting_requests
             n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
             if limit is not None and engine.num_waiting + n > limit:
-                self._tell_admission("queue_full")
+                self.observers.admission("queue_full")
                 raise QueueFullError(
                     f"the server is overloaded: {engine.num_waiting} sequences are waiting and the "
                     f"limit is {limit} (--max-waiting-requests); retry later")
@@ -314,18 +286,19 @@ class AsyncEngine:
             cmd.future.set_exception(e)
             return
         if cmd.admitted is not None:
-            cmd.admitted[0] = getattr(engine, "num_sent", 0)
+            with self._cmd_lock:
+                self.admission.added(cmd.admitted, getattr(engine, "num_sent", 0))
         self._streams[rid] = cmd.stream
-        self._progress[rid] = [0] * (cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
+        self.observers.track(rid, cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
         cmd.future.set_result(rid)
 
     def _apply_abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         now = time.perf_counter()
         if out is not None:
-            self._account(out, now)
+            self.observers.output(out, now)
         stream = self._streams.pop(request_id, None)
-        self._progress.pop(request_id, None)
+        self.observers.forget(request_id)
         if out is not None and stream is not None:
             self._update_snapshot()  # before the consumer hears of it: what it reads next is current
             self._post(stream, stream._put, out)
@@ -334,10 +307,10 @@ class AsyncEngine:
         # Metrics and the snapshot first, outputs last: a client that got its answer sees them current.
         posts = []
         for out in outputs:
-            self._account(out, now)
+            self.observers.output(out, now)
             if out.finished:
                 stream = self._streams.pop(out.request_id, None)
-                self._progress.pop(out.request_id, None)
+                self.observers.forget(out.request_id)
             else:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -346,30 +319,9 @@ class AsyncEngine:
         for stream, out in posts:
             self._post(stream, stream._put, out)
 
-    def _account(self, out: RequestOutput, now: float) -> None:
-        seen = self._progress.get(out.request_id)
-        if seen is None:
-            seen = self._progress[out.request_id] = [0] * len(out.outputs)
-        prompt = gen = 0
-        for c in out.outputs:
-            if c.index >= len(seen):
-                seen.extend([0] * (c.index + 1 - len(seen)))
-            n = len(c.token_ids)
-            if n > seen[c.index]:
-                if seen[c.index] == 0:
-                    prompt += len(out.prompt_token_ids)  # this sequence's prefill is done
-                gen += n - seen[c.index]
-                seen[c.index] = n
-        for obs in self.observers:
-            self._notify(obs.on_tokens, prompt, gen)
-        if out.finished:
-            for obs in self.observers:
-                self._notify(obs.on_request_finished, out, now)
-
     def _after_step(self) -> None:
         for stats in self.engine.last_step_stats:
-            for obs in self.observers:
-                self._notify(obs.on_step, stats)
+            self.observers.step(stats)
 
     def _update_snapshot(self) -> None:
         engine = self.engine
@@ -383,16 +335,10 @@ class AsyncEngine:
                     state.num_free_blocks, num_blocks, state.num_preemptions, self._num_steps, len(self._streams),
                     state.busy_seconds, forecast, time.perf_counter(), getattr(state, "num_waiting_for_kv", 0),
                     getattr(state, "num_kv_held", 0))
-                self._admitted = [e for e in self._admitted if e[0] is None or e[0] > added]
+                if self.admission is not None:
+                    self.admission.seen(added)
         except Exception:  # noqa: BLE001 - a broken engine must not break reporting
             logger.exception("could not read engine state")
-
-    @staticmethod
-    def _notify(fn: Callable, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:  # noqa: BLE001 - an observer bug must not kill the engine
-            logger.exception("engine observer %r failed", fn)
 
     @staticmethod
     def _post(stream: RequestStream, fn: Callable, arg: Any) -> None:
@@ -423,11 +369,12 @@ class AsyncEngine:
             self._thread.join(30)
         rebuild()
         self._streams.clear()
-        self._progress.clear()
+        self.observers.clear_tracked()
         self._num_steps = 0
         with self._cmd_lock:
             self._commands.clear()
-            self._admitted.clear()  # a fresh core counts its adds from 0
+            if self.admission is not None:
+                self.admission.pending.clear()  # a fresh core counts its adds from 0
             self._stop = False
             self._accepting = True
             self._thread = None
@@ -450,9 +397,9 @@ class AsyncEngine:
         for stream in streams:
             self._post(stream, stream._fail, dead)
         # Best effort: free what the dead requests held, so the KV accounting stays readable.
-        for rid in list(self._progress):
+        for rid in self.observers.tracked():
             try:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001
                 pass
-        self._progress.clear()
+        self.observers.clear_tracked()

@@ -13,8 +13,7 @@ import torch  # noqa: E402
 
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
-from tokenmill.core.scheduler import Scheduler  # noqa: E402
-from tokenmill.core.step_planner import SLOPlanner  # noqa: E402
+from tokenmill.core.assembly import make_scheduler  # noqa: E402
 from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
 from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
 from tokenmill.distributed.pipeline import check_pipeline_parallel  # noqa: E402
@@ -141,20 +140,21 @@ class CoreBuilder:
             proposer = DraftModelProposer(ModelRunner(draft.model, draft_kv, cache.block_size, self.device,
                                                       config.seed + 1), cache.block_size,
                                           spec.num_speculative_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.proposer = proposer
         phase("KV pool")
         self.runner = self.worker.init_kv_cache(num_blocks, self.executor)
-        if tp is not None and tp.pipeline:
-            self.scheduler.lanes = config.parallel.batches_in_flight
         # structured outputs: grammars compiled against the vocabulary (at add_request), matched by the runner
         self.grammars = self.runner.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         if proposer is not None:
             proposer.draft_cost = measure_draft_cost(self, proposer)
             phase("speculative off rule")
+        step_cost = None
         if config.scheduler.plans_steps:
-            self.scheduler.planner = SLOPlanner(config.scheduler, startup_step_cost(self, config))
+            step_cost = startup_step_cost(self, config)
             phase("step cost")
+        self.scheduler = make_scheduler(config.scheduler, self.kv_cache, self.max_model_len, step_cost,
+                                        config.parallel.batches_in_flight if tp is not None and tp.pipeline else 1,
+                                        proposer.finish if proposer is not None else None)
         if config.kv_transfer.kv_role is not None:
             self._start_kv_transfer(config, self.runner.kv_caches, tp, draft)
         self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights

@@ -114,9 +114,7 @@ class EngineCore:
         self.info, self.weight_bytes, self.kv_bytes_per_token = parts.info, parts.weight_bytes, parts.kv_bytes_per_token
         self.executor, self.kv_connector, self.startup = parts.executor, parts.kv_connector, parts.startup
         self.device, self.dtype = parts.device, parts.dtype
-        self.proposer = parts.proposer
-        if self.proposer is not None:
-            self.scheduler.finish_hooks.append(self.proposer.finish)
+        self.proposer = parts.proposer  # (the scheduler tells it when a request ends: core/assembly.py)
         self.start_loop()
 
     def shutdown(self) -> None:

@@ -51,12 +51,11 @@ from tokenmill.bench.client import RequestResult
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.assembly import make_admission, make_scheduler
 from tokenmill.core.sched_output import KVRecv, ModelRunnerOutput
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.perf.step_cost import StepShape
-from tokenmill.core.step_planner import SLOAdmission, SLOPlanner
 from tokenmill.perf.cost import kv_transfer_seconds, kv_transfer_tokens
 from tokenmill.sim.spec import SimProposer, SpecDecoding, accepted_drafts, draft_cost_model
 from tokenmill.spec_decode.stats import step_acceptance, summarize
@@ -147,13 +146,10 @@ class _Instance:
         self.kv = KVCacheManager(sim.num_blocks, sim.block_size, sim.enable_prefix_caching)
         spec = sim.spec
         self.proposer = SimProposer(spec, sim.block_size, sim.draft_cost) if spec is not None else None
-        self.sched = Scheduler(sim.config, self.kv, sim.max_model_len)
-        if self.proposer is not None:
-            self.sched.finish_hooks.append(self.proposer.finish)
-        self.admission = None
-        if sim.config.plans_steps:  # the engine's SLO planner, on the cost model as the truth
-            self.sched.planner = SLOPlanner(sim.config, sim.cost)
-            self.admission = SLOAdmission(sim.config.slo_ttft_ms, sim.config.slo_policy, sim.config.policy == "fcfs")
+        # the engine's scheduler (and SLO planner, on the cost model as the truth), a lane a step in flight
+        self.sched = make_scheduler(sim.config, self.kv, sim.max_model_len, sim.cost, sim.steps_in_flight,
+                                    self.proposer.finish if self.proposer is not None else None)
+        self.admission = make_admission(sim.config)
         self.now = 0.0
         self.sched.clock = lambda: self.now
         self.inbox: list[tuple] = []  # ("new", k, prompt ids) | ("sent", k) | ("received", k, error)
@@ -161,8 +157,6 @@ class _Instance:
         # producer's counts, end); more than one with pipeline parallelism's steps in flight
         self.flight: deque[tuple] = deque()
         self.max_flight = sim.steps_in_flight
-        if self.max_flight > 1:
-            self.sched.lanes = self.max_flight  # the engine's lanes: one per step in flight
         self.stage_free = 0.0  # when the first stage can take the next step
         self.stalled = False  # steps in flight and nothing else to schedule: wait for one to end
         self.steps: list[SimStep] = []
