@@ -38,8 +38,10 @@ from typing import Any
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.fits import check_fits
 from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.lanes import Lanes
+from tokenmill.core.remote_kv import RemoteKV, wants_remote_prefill
 from tokenmill.core.request_queue import make_queue
-from tokenmill.core.sched_output import (KVRecv, KVSend, ModelRunnerOutput, NewRequestData, ScheduledRequest,
+from tokenmill.core.sched_output import (KVSend, ModelRunnerOutput, NewRequestData, ScheduledRequest,
                                           SchedulerOutput)
 from tokenmill.core.step_planner import FixedPlanner
 from tokenmill.request import Request, RequestStatus
@@ -67,21 +69,31 @@ class Scheduler:
         # called with a request's id when it ends (a drafter drops what it holds for the request)
         self.finish_hooks: list[Callable[[str], None]] = []
         self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
-        self.waiting_for_kv: dict[str, Request] = {}  # consumer: blocks reserved, KV arriving
-        self.kv_sending: set[str] = set()  # producer: finished, blocks held until the connector sent them
-        self._kv_sends: list[KVSend] = []  # finished since take_kv_sends
-        self._recv_cancelled: set[str] = set()  # aborted while receiving: blocks kept until the pull ends
-        self.recompute_failed_kv = True  # a failed pull: compute the prompt here (False: fail the request)
-        # Pipeline parallelism runs several steps at once (engine/core.py): a request in a step not yet
-        # applied is in flight, so it is neither scheduled again nor preempted until then. The running
-        # requests are spread over ``lanes`` (one per step in flight, vLLM's virtual engines), balanced as
-        # they are admitted, and consecutive steps take consecutive lanes, so each step has its share.
-        self.lanes = 1
-        self._lane = 0  # the lane the next step takes
-        self._lane_of: dict[str, int] = {}
-        self.in_flight: set[str] = set()
-        self._finish_later: set[str] = set()  # ended while in flight: told to the runner once applied
+        self.remote_kv = RemoteKV(kv_cache)  # disaggregation: requests waiting for KV, blocks held to send
+        self._lanes = Lanes()  # pipeline parallelism's steps in flight (core/lanes.py)
         self.clock = time.perf_counter  # tests substitute a fake clock
+
+    @property
+    def lanes(self) -> int:
+        """Steps in flight at once (one lane each); 1 without pipeline parallelism."""
+        return self._lanes.n
+
+    @lanes.setter
+    def lanes(self, n: int) -> None:
+        self._lanes.n = n
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Requests in a step not yet applied: neither scheduled again nor preempted until then."""
+        return self._lanes.in_flight
+
+    @property
+    def waiting_for_kv(self) -> dict[str, Request]:
+        return self.remote_kv.waiting
+
+    @property
+    def kv_sending(self) -> set[str]:
+        return self.remote_kv.sending
 
     # ---- admission -------------------------------------------------------------------
 
@@ -105,8 +117,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif request_id in self.waiting_for_kv:  # the connector may be writing its blocks: keep them
-            del self.waiting_for_kv[request_id]
-            self._recv_cancelled.add(request_id)
+            self.remote_kv.cancel(request_id)
         else:
             self.waiting.remove(req)
         self._finish(req, status)
@@ -117,21 +128,17 @@ class Scheduler:
         kv = req.kv_transfer
         if kv and kv.get("do_remote_decode") and status in (RequestStatus.FINISHED_LENGTH,
                                                             RequestStatus.FINISHED_STOPPED):
-            self.kv_sending.add(req.request_id)  # its blocks go to a consumer first
-            self._kv_sends.append(KVSend(req.request_id, list(self.kv_cache.block_tables[req.request_id]),
-                                         req.prompt_token_ids))
-        elif req.request_id not in self._recv_cancelled:
+            self.remote_kv.hold_for_send(req)  # its blocks go to a consumer first
+        elif not self.remote_kv.holds_blocks(req.request_id):
             self.kv_cache.free(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
-        self._lane_of.pop(req.request_id, None)
+        self._lanes.leave(req.request_id)
         for hook in self.finish_hooks:
             hook(req.request_id)
         del self.requests[req.request_id]
         if req.request_id in self._known_to_runner:
             self._known_to_runner.discard(req.request_id)
-            if req.request_id in self.in_flight:  # the runner samples its step first: it hears once applied
-                self._finish_later.add(req.request_id)
-            else:
+            if self._lanes.finish(req.request_id):  # (in flight: the runner hears once its step is applied)
                 self._finished_ids.append(req.request_id)
 
     # ---- one step --------------------------------------------------------------------
@@ -148,29 +155,20 @@ class Scheduler:
 
     def take_kv_sends(self) -> list[KVSend]:
         """Producer: requests finished since the last call whose blocks wait for a consumer."""
-        sends, self._kv_sends = self._kv_sends, []
-        return sends
+        return self.remote_kv.take_sends()
 
     def kv_send_done(self, request_id: str) -> None:
         """Producer: the connector sent the blocks (or gave up): they are free."""
-        if request_id in self.kv_sending:
-            self.kv_sending.discard(request_id)
-            self.kv_cache.free(request_id)
+        self.remote_kv.sent(request_id)
 
     def kv_recv_done(self, request_id: str, error: str | None = None) -> Request | None:
         """Consumer: the connector filled the request's blocks (error None) or could not. On success it runs
         from its last prompt token; on failure it computes its prompt here (``recompute_failed_kv``) or
         ends, aborted with the error: then it is returned, for the engine to report."""
-        req = self.waiting_for_kv.pop(request_id, None)
+        req = self.remote_kv.received(request_id, error)
         if req is None:
-            if request_id in self._recv_cancelled:  # aborted while its KV arrived
-                self._recv_cancelled.discard(request_id)
-                self.kv_cache.free(request_id)
             return None
         if error is None:
-            req.kv_transfer = None  # received: preempted later, it recomputes like any request
-            req.num_computed_tokens = req.num_prompt_tokens - 1
-            self.kv_cache.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             req.timings.first_scheduled = self.clock()
             if req.promoted:
@@ -178,8 +176,6 @@ class Scheduler:
             else:
                 self.running.append(req)
             return None
-        self.kv_cache.free(request_id)
-        req.num_computed_tokens = 0
         if self.recompute_failed_kv:
             req.kv_transfer = None
             req.status = RequestStatus.WAITING
@@ -189,20 +185,14 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def _remote_prefill(self, req: Request, num_cached: int) -> bool:
-        """Consumer: whether the request's prompt KV is to come from a producer (beyond what is cached)."""
-        kv = req.kv_transfer
-        return bool(kv and kv.get("do_remote_prefill") and num_cached < req.num_prompt_tokens - 1
-                    and req.sampling_params.prompt_logprobs is None and not req.output_token_ids)
+    @property
+    def recompute_failed_kv(self) -> bool:
+        """A failed pull: compute the prompt here (False: fail the request)."""
+        return self.remote_kv.recompute_failed
 
-    def _await_kv(self, req: Request, num_cached: int, out: SchedulerOutput) -> None:
-        kv = self.kv_cache
-        first, n = num_cached // kv.block_size, req.num_prompt_tokens - 1
-        req.num_computed_tokens = num_cached
-        req.status = RequestStatus.WAITING_FOR_KV
-        self.waiting_for_kv[req.request_id] = req
-        out.kv_recv.append(KVRecv(req.request_id, kv.block_tables[req.request_id][first:kv.blocks_needed(n)], first,
-                                  n, req.prompt_token_ids, req.kv_transfer))
+    @recompute_failed_kv.setter
+    def recompute_failed_kv(self, value: bool) -> None:
+        self.remote_kv.recompute_failed = value
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
@@ -216,19 +206,19 @@ class Scheduler:
 
         # 1. Running requests: decodes (one token, plus the drafts proposed after the last step, as many as the
         # budget takes: spec_decode/step.py) and unfinished chunked prefills.
-        lane = self._next_lane()
+        lane = self._lanes.take(self.running)
         starved = False  # a running request waits for blocks that requests in flight hold
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self.lanes > 1 and (req.request_id in self.in_flight or self._lane_of.get(req.request_id, 0) != lane):
+            if self._lanes.skips(req.request_id, lane):
                 i += 1  # its step is in flight, or this step is another lane's
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = req.spec_token_ids[:budget - 1] if num_new == 1 else []  # (their slots are reserved)
             num_new += len(drafts)
             while self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
-                victim = self._pop_victim(i)  # the policy's last: fcfs most recent, priority least urgent
+                victim = self._lanes.pop_victim(self.running, i)  # the policy's last: fcfs most recent, priority least urgent
                 if victim is None:  # only requests in flight could give blocks back: wait for them
                     starved = True
                     break
@@ -246,13 +236,11 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
-        if self.lanes > 1:
-            lane_cap = -(-(len(self.running) + len(self.waiting)) // self.lanes)  # requests a lane may hold
-            lane_size = sum(1 for r in self.running if self._lane_of.get(r.request_id, 0) == lane)
+        lane_room = self._lanes.room(self.running, len(self.waiting), lane)
         while self.waiting and not out.preempted_request_ids and not starved and budget > 0:
             if len(self.running) + len(self.waiting_for_kv) >= max_running:
                 break
-            if self.lanes > 1 and lane_size >= lane_cap:
+            if lane_room <= 0:
                 break
             req = self.waiting[0]
             swapped = req.request_id in self.swapped
@@ -263,12 +251,12 @@ class Scheduler:
                 hits = (kv.get_computed_blocks(req.request_id, req.all_token_ids)
                         if kv.enable_prefix_caching and req.sampling_params.prompt_logprobs is None else [])
                 num_cached = len(hits) * kv.block_size
-            if not swapped and self._remote_prefill(req, num_cached):  # its KV comes from a producer
+            if not swapped and wants_remote_prefill(req, num_cached):  # its KV comes from a producer
                 if kv.allocate_slots(req.request_id, req.num_prompt_tokens, hits) is None:
                     break
                 self.waiting.pop()
                 self._count_prefix_hits(req, num_cached)
-                self._await_kv(req, num_cached, out)
+                out.kv_recv.append(self.remote_kv.await_kv(req, num_cached))
                 continue
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -291,9 +279,8 @@ class Scheduler:
                 self.running.insert(0, req)
             else:
                 self.running.append(req)
-            if self.lanes > 1:
-                self._lane_of[req.request_id] = lane
-                lane_size += 1
+            self._lanes.join(req.request_id, lane)
+            lane_room -= 1
             self._emit(req, num_new, out)
             budget -= num_new
         return out
@@ -340,8 +327,7 @@ class Scheduler:
                                                    req.sampling_params, req.eos_token_ids, req.constraints))
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
-        if self.lanes > 1:
-            self.in_flight.add(req.request_id)
+        self._lanes.launched(req.request_id)
         new_blocks, new_table = self.kv_cache.take_new_blocks(req.request_id)
         token_ids = req.token_ids_slice(start, start + num_new) + list(drafts)
         out.scheduled.append(ScheduledRequest(req.request_id, token_ids, start, new_blocks, needs_logits, len(drafts),
@@ -352,43 +338,6 @@ class Scheduler:
         else:
             out.num_prefill_tokens += num_new
 
-    def _next_lane(self) -> int:
-        """The lane this step takes: the next in turn, topped up from the other lanes' requests not in flight
-        where the lanes drifted apart as requests ended; if it has nothing to run, the next lane in turn
-        that has (waiting requests join whichever lane runs)."""
-        n, lane = self.lanes, self._lane
-        if n > 1:
-            self._balance(lane)
-            free = {self._lane_of.get(r.request_id, 0) for r in self.running if r.request_id not in self.in_flight}
-            if lane not in free:
-                lane = next((x % n for x in range(lane + 1, lane + n) if x % n in free), lane)
-        self._lane = (lane + 1) % n
-        return lane
-
-    def _balance(self, lane: int) -> None:
-        """Move requests not in flight from lanes above their share (running / lanes) into ``lane`` below it."""
-        size = [0] * self.lanes
-        for r in self.running:
-            size[self._lane_of.get(r.request_id, 0)] += 1
-        share = len(self.running) // self.lanes
-        for r in reversed(self.running):
-            if size[lane] >= share:
-                return
-            other = self._lane_of.get(r.request_id, 0)
-            if other != lane and size[other] > share and r.request_id not in self.in_flight:
-                self._lane_of[r.request_id] = lane
-                size[other] -= 1
-                size[lane] += 1
-
-    def _pop_victim(self, i: int) -> Request | None:
-        """The request to preempt for running[i]: the last after it not in flight, else running[i] itself
-        if nothing after it is in flight (taken out of running); None while requests after it are in
-        flight (their steps will free or grow their blocks: running[i] waits rather than lose its KV)."""
-        for j in range(len(self.running) - 1, i - 1, -1):
-            if self.running[j].request_id not in self.in_flight:
-                return None if j == i < len(self.running) - 1 else self.running.pop(j)
-        return None
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         kv = self.kv_cache
         if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
@@ -398,7 +347,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
         kv.free(req.request_id)
-        self._lane_of.pop(req.request_id, None)
+        self._lanes.leave(req.request_id)
         req.spec_token_ids, req.spec_probs = [], None  # their slots are gone with the blocks
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -414,11 +363,8 @@ class Scheduler:
         finished: list[Request] = []
         bs = self.kv_cache.block_size
         for s in sched.scheduled:
-            if s.request_id in self.in_flight:
-                self.in_flight.discard(s.request_id)
-                if s.request_id in self._finish_later:
-                    self._finish_later.discard(s.request_id)
-                    self._finished_ids.append(s.request_id)
+            if self._lanes.landed(s.request_id):  # it ended while its step ran: now the runner may hear
+                self._finished_ids.append(s.request_id)
             req = self.requests.get(s.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
