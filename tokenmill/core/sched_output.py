@@ -110,6 +110,8 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
+    # why: each preempted request -> the one that needed its blocks (itself: it needed more than was left)
+    preempted_for: dict[str, str] = field(default_factory=dict)
     # preemption by swap, done by the runner before the step's forward pass, in this order:
     # (request id, its blocks in position order) to copy to host memory, then
     # (request id, the fresh blocks) to copy its saved KV back into

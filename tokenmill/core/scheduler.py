@@ -222,7 +222,7 @@ class Scheduler:
                 if victim is None:  # only requests in flight could give blocks back: wait for them
                     starved = True
                     break
-                self._preempt(victim, out)
+                self._preempt(victim, out, req.request_id)
                 if victim is req:
                     break
             else:
@@ -338,7 +338,7 @@ class Scheduler:
         else:
             out.num_prefill_tokens += num_new
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, needed_by: str) -> None:
         kv = self.kv_cache
         if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
             blocks = kv.block_tables[req.request_id][:kv.blocks_needed(req.num_computed_tokens)]
@@ -356,6 +356,7 @@ class Scheduler:
             req.promoted = True  # no thrash: from now on it runs first, and others are preempted before it
         self.waiting.add_preempted(req)
         out.preempted_request_ids.append(req.request_id)
+        out.preempted_for[req.request_id] = needed_by
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that finished in it."""

@@ -290,6 +290,7 @@ class AsyncEngine:
                 self.admission.added(cmd.admitted, getattr(engine, "num_sent", 0))
         self._streams[rid] = cmd.stream
         self.observers.track(rid, cmd.params.n if isinstance(cmd.params, SamplingParams) else 1)
+        self.observers.added(rid, cmd.arrival_time if cmd.arrival_time is not None else time.perf_counter())
         cmd.future.set_result(rid)
 
     def _apply_abort(self, request_id: str) -> None:

@@ -304,6 +304,10 @@ class EngineCore:
             expert_tokens=self._expert_tokens(),
             kv_transfers=kv_transfers,
             shape=shape,
+            requests=[(s.request_id, s.start_pos, len(s.token_ids) - s.num_draft_tokens, s.num_draft_tokens,
+                       len(result.sampled_token_ids.get(s.request_id, ())) if s.needs_logits else 0)
+                      for s in sched.scheduled],
+            preempted=dict(sched.preempted_for) or None,
         )
 
     def _expert_tokens(self) -> list[list[int]] | None:

@@ -58,6 +58,10 @@ class StepStats:
     expert_tokens: list[list[int]] | None = None
     kv_transfers: list[KVTransferStats] | None = None  # disaggregation: transfers that ended since the last step
     shape: StepShape | None = None  # what the step computed, as the cost models see it (--step-log keeps it)
+    # the step's composition, for request timelines (engine/timelines.py): per scheduled request (its id, the
+    # position it started at, tokens computed without drafts, drafts verified, tokens emitted)
+    requests: list[tuple[str, int, int, int, int]] | None = None
+    preempted: dict[str, str] | None = None  # preempted request -> the request that needed its blocks
 
 
 # ---- front end -> core ----------------------------------------------------------------

@@ -41,9 +41,17 @@ class Observers(list):
     def clear_tracked(self) -> None:
         self._seen.clear()
 
+    def added(self, request_id: str, arrival: float) -> None:
+        """A request the engine took (observers with ``on_request_added``: request timelines)."""
+        for obs in self:
+            fn = getattr(obs, "on_request_added", None)
+            if fn is not None:
+                notify(fn, request_id, arrival)
+
     def output(self, out: RequestOutput, now: float) -> None:
         """A request's output: the prompt tokens of each sequence that produced its first token, the tokens
-        new since its last output; and the request, if it finished."""
+        new since its last output; and the request, if it finished. Observers with ``on_request_output`` get
+        the output itself."""
         seen = self._seen.get(out.request_id)
         if seen is None:
             seen = self._seen[out.request_id] = [0] * len(out.outputs)
@@ -59,6 +67,9 @@ class Observers(list):
                 seen[c.index] = n
         for obs in self:
             notify(obs.on_tokens, prompt, gen)
+            fn = getattr(obs, "on_request_output", None)
+            if fn is not None:
+                notify(fn, out, now)
         if out.finished:
             for obs in self:
                 notify(obs.on_request_finished, out, now)

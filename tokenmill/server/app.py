@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.timelines import TimelineRecorder
 from tokenmill.engine.utilization import Nvml, ProcessCpu, UtilizationMeter
 from tokenmill.monitor.history import MetricsHistory
 from tokenmill.server.chat import ChatMixin
@@ -50,6 +51,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             nvml=Nvml(info.device, info.device_uuid))
     engine.observers.append(metrics)
     serving.on_refused = metrics.on_refused
+    timelines = None
+    if config.request_timelines:
+        sched = engine.engine.config.scheduler
+        target_ms = sched.itl_target_ms or sched.slo_tpot_ms
+        timelines = TimelineRecorder(config.request_timelines, itl_target_s=target_ms / 1e3 if target_ms else None)
+        engine.observers.append(timelines)
 
     history = MetricsHistory(metrics.registry.collect) if config.dashboard else None
 
@@ -62,14 +69,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                 yield
         finally:
             await asyncio.to_thread(engine.shutdown, 30.0)
-            if metrics in engine.observers:
-                engine.observers.remove(metrics)
+            for obs in (metrics, timelines):
+                if obs is not None and obs in engine.observers:
+                    engine.observers.remove(obs)
 
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.history = history
+    app.state.timelines = timelines
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -112,6 +121,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
             {"id": name, "object": "model", "created": serving.created, "owned_by": "tokenmill",
              "root": engine.engine.model_name, "max_model_len": serving.max_model_len}
             for name in serving.model_names]})
+
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str) -> Response:
+        if timelines is None:
+            raise OpenAIError(404, "request timelines are off (--request-timelines 0)", code="timelines_off")
+        found = timelines.timeline(request_id)
+        if found is None:
+            raise OpenAIError(404, f"no timeline for request {request_id!r}: it is not among the in-flight requests "
+                                   f"and the last {config.request_timelines} finished ones (the response's \"id\")",
+                              param="request_id", code="request_not_found")
+        return json_response(found)
 
     @app.get("/health")
     async def health() -> Response:

@@ -59,6 +59,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "TTFT/ITL percentiles, tokens/s, device busy and roofline use; the in-flight requests), "
                         "fed by the metrics read once a second; same auth as the API, a browser sends the key as "
                         "the Basic auth password (default on; --no-dashboard turns both off)")
+    g.add_argument("--request-timelines", type=int, default=1000, metavar="N",
+                   help="keep each request's timeline (every step it took part in with the step's whole batch, "
+                        "preemptions and why, when its tokens went out) and the blame for its TTFT and slow "
+                        "inter-token gaps, for the in-flight requests and the last N finished ones: "
+                        "GET /v1/requests/{id}/timeline (the response's id; same auth as the API). Default 1000; "
+                        "0 turns it off")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")

@@ -197,7 +197,8 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
                         max_request_bytes=a.max_request_bytes, request_body_timeout=a.request_body_timeout,
                         drain_timeout=a.drain_timeout,
                         tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death,
-                        restart_engine_core=a.restart_engine_core, dashboard=a.dashboard)
+                        restart_engine_core=a.restart_engine_core, dashboard=a.dashboard,
+                        request_timelines=a.request_timelines)
 
 
 def serve_args(llm_engine, a) -> int:  # noqa: ANN001

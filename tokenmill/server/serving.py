@@ -38,8 +38,11 @@ class ServerConfig:
     exit_on_engine_death: bool = False
     restart_engine_core: bool = False  # instead: start a fresh engine core process and keep serving
     dashboard: bool = True  # /dashboard and the metrics history behind it (server/dashboard.py)
+    request_timelines: int = 1000  # finished requests whose timelines are kept (engine/timelines.py); 0: off
 
     def __post_init__(self) -> None:
+        if self.request_timelines < 0:
+            raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if not 1 <= self.max_n:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:

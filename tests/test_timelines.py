@@ -1,0 +1,168 @@
+"""Request timelines and blame (engine/timelines.py, engine/blame.py): by hand on made-up steps, then on the
+real model behind the HTTP server, where a short request queued behind a long prompt must name it, its
+parts must add up to the TTFT the client measured, and a decode's slow gap must name the prefill chunk that
+shared its step."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tokenmill.engine.blame import itl_blame, ttft_blame
+from tokenmill.engine.messages import StepStats
+from tokenmill.engine.timelines import StepRecord, TimelineRecorder
+from tokenmill.outputs import CompletionOutput, RequestOutput
+
+
+def steps_of(*specs) -> list[StepRecord]:
+    """specs: (start, duration, [(id, tokens), ...]) per step, numbered in order."""
+    return [StepRecord(i, start, dur, [(rid, 0, n, 0, 1) for rid, n in reqs], {})
+            for i, (start, dur, reqs) in enumerate(specs)]
+
+
+def test_a_request_queued_behind_a_long_prompt_names_it():
+    steps = steps_of((0.00, 0.10, [("L", 256)]), (0.11, 0.10, [("L", 256)]), (0.22, 0.10, [("L", 256)]),
+                     (0.33, 0.10, [("L", 230), ("Q", 26)]))
+    got = ttft_blame("Q", 0.05, 0.45, steps, {3}, {})
+    assert got["queue"]["by_request"][0]["request_id"] == "L" and got["queue"]["by_request"][0]["tokens"] == 768
+    assert got["queue"]["seconds"] == pytest.approx(0.05 + 0.10 + 0.10)
+    assert got["own_compute_s"] == pytest.approx(0.10 * 26 / 256)
+    assert got["shared_steps"]["by_request"][0]["request_id"] == "L"
+    parts = (got["queue"]["seconds"] + got["own_compute_s"] + got["shared_steps"]["seconds"]
+             + got["preempted"]["seconds"] + got["waiting_for_a_turn"]["seconds"] + got["between_steps_s"])
+    assert parts == pytest.approx(got["total_s"]) and got["total_s"] == pytest.approx(0.40)
+    assert "queued behind" in got["summary"] and "request L (768 tokens)" in got["summary"]
+    # negative control: the same window behind another request names that one, not L
+    other = steps_of((0.00, 0.10, [("M", 256)]), (0.11, 0.10, [("M", 256)]), (0.22, 0.10, [("M", 256)]),
+                     (0.33, 0.10, [("L", 230), ("Q", 26)]))
+    assert ttft_blame("Q", 0.05, 0.45, other, {3}, {})["queue"]["by_request"][0]["request_id"] == "M"
+
+
+def test_time_preempted_is_charged_to_the_request_that_took_the_blocks():
+    steps = steps_of((0.0, 0.1, [("Q", 100), ("B", 100)]), (0.1, 0.1, [("B", 200)]), (0.2, 0.1, [("B", 200)]),
+                     (0.3, 0.1, [("Q", 101)]))
+    got = ttft_blame("Q", 0.0, 0.4, steps, {0, 3}, {1: "B"})
+    assert got["preempted"]["by_request"][0]["request_id"] == "B"
+    assert got["preempted"]["seconds"] == pytest.approx(0.2) and got["queue"]["seconds"] == 0
+
+
+def test_an_itl_spike_names_the_prefill_chunk_that_shared_its_step():
+    decodes = [(0.05 * i, 0.04, [("D", 1)]) for i in range(8)]
+    spiked = decodes[:4] + [(0.20, 0.25, [("D", 1), ("X", 480)])] + [(0.5 + 0.05 * i, 0.04, [("D", 1)])
+                                                                       for i in range(3)]
+    steps = steps_of(*spiked)
+    got = itl_blame("D", steps, {s.number for s in steps}, None)
+    assert len(got["spikes"]) == 1
+    spike = got["spikes"][0]
+    assert spike["step"] == 4 and spike["cause"] == "a 480-token prefill chunk of request X"
+    assert spike["others"]["by_request"][0]["request_id"] == "X"
+    # negative control: steady decodes have no spike
+    steady = steps_of(*decodes)
+    assert itl_blame("D", steady, {s.number for s in steady}, None)["spikes"] == []
+
+
+def _stats(start: float, duration: float, requests, preempted=None) -> StepStats:
+    return StepStats(start, duration, 0, 0, len(requests), 0, 0, 0, 0, requests=requests, preempted=preempted)
+
+
+def _output(rid: str, tokens: int, finished: bool) -> RequestOutput:
+    return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "", list(range(tokens)),
+                                                                "length" if finished else None)], finished)
+
+
+def test_the_recorder_keeps_in_flight_and_recent_requests_within_its_bounds():
+    rec = TimelineRecorder(max_requests=2, max_step_entries=8)
+    for i, rid in enumerate("abc"):
+        rec.on_request_added(rid, float(i))
+    rec.on_step(_stats(3.0, 0.5, [("a", 0, 3, 0, 1), ("b", 0, 3, 0, 1)], {"c": "a"}))
+    rec.on_request_output(_output("a", 1, False), 3.6)
+    t = rec.timeline("a")
+    assert t["status"] == "running" and t["events"][1]["batch"][0]["request_id"] == "b"
+    assert t["ttft_s"] == pytest.approx(3.6) and rec.timeline("c")["num_preemptions"] == 1
+    assert rec.timeline("c")["events"][-1]["needed_by"] == "a"
+    for rid in "abc":
+        rec.on_request_output(_output(rid, 2, True), 4.0)
+    assert rec.timeline("a") is None and rec.timeline("b")["status"] == "finished"  # the oldest finished went
+    for i in range(5):  # the step ring keeps at most 8 entries (a step counts its requests + 1)
+        rec.on_step(_stats(5.0 + i, 0.1, [("x", 0, 1, 0, 1), ("y", 0, 1, 0, 1)]))
+    assert rec._entries <= 8 and len(rec._steps) == 2
+
+
+# ---- the real model behind the server ------------------------------------------------------------------
+
+KEY = "timeline-key"
+
+
+@pytest.fixture(scope="module")
+def served(llm_fp32):
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import build_app
+    from tokenmill.server.run import BackgroundServer
+    from tokenmill.server.serving import ServerConfig
+
+    ae = AsyncEngine(llm_fp32.engine, max_waiting_requests=64, log_interval=None, log_requests=False)
+    srv = BackgroundServer(build_app(ae, ServerConfig(api_key=KEY, dashboard=False))).start()
+    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
+        http.model = http.get("/v1/models").json()["data"][0]["id"]
+        yield http
+    srv.stop(60)
+
+
+def _long_prompt(llm, num_tokens: int, word: str) -> list[int]:
+    """``num_tokens`` of prose (token ids, so the count is exact); another ``word``, another prefix."""
+    ids = llm.engine.tokenizer.encode(" ".join(f"The {word}{i % 31} bends west." for i in range(num_tokens)))
+    return ids[:num_tokens]
+
+
+def _complete(http, prompt: str | list[int], max_tokens: int, out: dict, key: str) -> None:
+    """A streamed completion: its id and the TTFT this client saw (to the first chunk, which holds a token)."""
+    t0 = time.perf_counter()
+    with http.stream("POST", "/v1/completions", json={"model": http.model, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and key + "_id" not in out:
+                out[key + "_ttft"] = time.perf_counter() - t0
+                out[key + "_id"] = json.loads(line[6:])["id"]
+
+
+def test_a_short_request_behind_a_long_prompt_blames_it_and_adds_up(served, llm_fp32):
+    got: dict = {}
+    long = threading.Thread(target=_complete, args=(served, _long_prompt(llm_fp32, 1800, "river"), 1, got, "long"))
+    long.start()
+    time.sleep(0.3)  # the long prompt's chunks are running
+    _complete(served, "Hi", 1, got, "short")
+    long.join()
+    t = served.get(f"/v1/requests/{got['short_id']}/timeline").json()
+    blame = t["ttft_blame"]
+    assert blame["queue"]["by_request"][0]["request_id"] == got["long_id"], blame
+    assert blame["queue"]["seconds"] > 0.5 * blame["total_s"]
+    parts = (blame["queue"]["seconds"] + blame["own_compute_s"] + blame["shared_steps"]["seconds"]
+             + blame["preempted"]["seconds"] + blame["waiting_for_a_turn"]["seconds"] + blame["between_steps_s"])
+    assert parts == pytest.approx(blame["total_s"], rel=1e-6)
+    assert blame["total_s"] == pytest.approx(got["short_ttft"], rel=0.05), (blame["total_s"], got["short_ttft"])
+    lt = served.get(f"/v1/requests/{got['long_id']}/timeline").json()
+    assert [e["kind"] for e in lt["events"] if e["event"] == "step"][:2] == ["prefill", "prefill"]
+    assert served.get("/v1/requests/nope/timeline").status_code == 404
+    assert httpx.get(f"{served.base_url}/v1/requests/{got['short_id']}/timeline").status_code == 401
+
+
+def test_an_itl_spike_is_blamed_on_the_prefill_chunk_in_its_step(served, llm_fp32):
+    got: dict = {}
+    dec = threading.Thread(target=_complete, args=(served, "Once upon a time", 128, got, "decode"))
+    dec.start()
+    time.sleep(0.3)  # decoding alone for a while
+    _complete(served, _long_prompt(llm_fp32, 1200, "road"), 1, got, "long")
+    dec.join()
+    t = served.get(f"/v1/requests/{got['decode_id']}/timeline").json()
+    spikes = t["itl_blame"]["spikes"]
+    assert spikes, t["itl_blame"]
+    long = served.get(f"/v1/requests/{got['long_id']}/timeline").json()
+    assert long["cached_tokens"] == 0  # (its own prefix: a cached one would leave little to compute)
+    assert sum(e["tokens"] for e in long["events"] if e["event"] == "step") == 1200
+    # the step's budget of 256 tokens: the decode's one and a 255-token chunk of the long prompt
+    assert any(s["cause"] == f"a 255-token prefill chunk of request {got['long_id']}" for s in spikes), spikes
