@@ -95,6 +95,7 @@ def test_the_recorder_keeps_in_flight_and_recent_requests_within_its_bounds():
 # ---- the real model behind the server ------------------------------------------------------------------
 
 KEY = "timeline-key"
+ITL_RUN: dict = {}  # the ITL test's request ids, which the explain test replays
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,7 @@ def test_an_itl_spike_is_blamed_on_the_prefill_chunk_in_its_step(served, llm_fp3
     time.sleep(0.3)  # decoding alone for a while
     _complete(served, _long_prompt(llm_fp32, 1200, "road"), 1, got, "long")
     dec.join()
+    ITL_RUN.update(got)
     t = served.get(f"/v1/requests/{got['decode_id']}/timeline").json()
     spikes = t["itl_blame"]["spikes"]
     assert spikes, t["itl_blame"]
@@ -166,3 +168,72 @@ def test_an_itl_spike_is_blamed_on_the_prefill_chunk_in_its_step(served, llm_fp3
     assert sum(e["tokens"] for e in long["events"] if e["event"] == "step") == 1200
     # the step's budget of 256 tokens: the decode's one and a 255-token chunk of the long prompt
     assert any(s["cause"] == f"a 255-token prefill chunk of request {got['long_id']}" for s in spikes), spikes
+    # the steps served so far also fitted the live cost model, whose error /metrics publishes
+    doc = served.get("/v1/cost_model").json()
+    assert doc["steps_observed"] >= 50 and doc["kind"] == "calibrated" and doc["prediction_error"] is not None
+    text = served.get("/metrics").text
+    assert f"tokenmill:step_time_prediction_error{{model_name=\"{served.model}\"}} " in text
+
+
+# ---- the live cost model (engine/live_cost.py) ----------------------------------------------------------
+
+
+def _steps_for_live(times, seed: int = 0):
+    """A stream of StepStats of varied shapes, back to back (1 ms between), each taking ``times(shape)``."""
+    import random
+
+    from tokenmill.perf.step_cost import StepShape
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(400):
+        dec, pre = rng.randint(0, 16), rng.choice([0, 0, 64, 256])
+        ctx = dec * rng.randint(10, 500)
+        shape = StepShape.planned(dec, ctx, pre, rng.randint(0, 300) if pre else 0)
+        d = times(shape, rng)
+        out.append(StepStats(t, d, pre, dec, shape.num_seqs, 4, 0, 0, 0, shape=shape))
+        t += d + 0.001
+    return out
+
+
+def test_the_live_cost_model_predicts_steps_it_has_not_seen():
+    from tokenmill.engine.live_cost import LiveCostModel
+
+    def linear(s, rng):
+        return 0.004 + 2e-5 * s.prefill_tokens + 3e-4 * s.decode_tokens + 1e-5 * s.decode_context / 1e3
+
+    live = LiveCostModel()
+    for st in _steps_for_live(linear):
+        live.on_step(st)
+    assert live.num_fitted >= 50 and len(live.errors) == 200
+    assert live.error < 0.03, live.error  # (the 1 ms between steps is part of each cycle, and learned)
+    doc = live.describe()
+    assert doc["kind"] == "calibrated" and len(doc["coef"]) == len(doc["features"])
+    # negative control: step times unrelated to their shapes cannot be predicted
+    noise = LiveCostModel()
+    for st in _steps_for_live(lambda s, rng: rng.uniform(0.002, 0.2)):
+        noise.on_step(st)
+    assert noise.error > 0.3, noise.error
+
+
+def test_explain_replays_a_served_window_and_a_what_if(served, capsys):
+    import argparse
+
+    from tokenmill.sim.explain import cmd_explain, explain
+
+    if not ITL_RUN:
+        pytest.skip("replays the ITL test's traffic")
+    window = served.get(f"/v1/requests/{ITL_RUN['decode_id']}/window").json()
+    assert {ITL_RUN["decode_id"], ITL_RUN["long_id"]} <= {r["request_id"] for r in window["requests"]}
+    got = explain(window, "--max-num-batched-tokens 64")
+    measured, replayed, what_if = got["columns"].values()
+    assert replayed["e2e_s"] == pytest.approx(measured["e2e_s"], rel=0.25)
+    assert what_if["itl_p99_s"] < replayed["itl_p99_s"]  # smaller chunks beside it: shorter worst gaps
+    with pytest.raises(ValueError, match="--what-if cannot change --tensor-parallel-size"):
+        explain(window, "--tensor-parallel-size 2")
+    a = argparse.Namespace(url=str(served.base_url), request=ITL_RUN["decode_id"], what_if="--max-num-seqs 1",
+                           api_key=KEY, json=False)
+    assert cmd_explain(a) == 0
+    out = capsys.readouterr().out
+    assert "replayed as served" in out and "with --max-num-seqs 1" in out and "its TTFT" in out
+    a.request = "nope"
+    assert cmd_explain(a) == 1 and "404" in capsys.readouterr().err

@@ -178,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batch sizes, KV memory and where the time goes.")
     add_simulate_args(sm)
     sm.set_defaults(func=_lazy("tokenmill.sim.cli", "cmd_simulate"))
+    from tokenmill.sim.explain import add_explain_args
+
+    ex = sub.add_parser("explain", help="why a served request took its time, and what other settings would have given",
+                        description="Read a request's window of traffic from a running tokenmill server and replay "
+                                    "it through the simulator with the server's live-fitted cost model: as served, "
+                                    "and with --what-if settings. Its causes are at GET /v1/requests/ID/timeline.")
+    add_explain_args(ex)
+    ex.set_defaults(func=_lazy("tokenmill.sim.explain", "cmd_explain"))
     pr = sub.add_parser("profile", help="measure this machine's step times and fit the simulator's cost model",
                         description="Time real engine steps over a grid (decode batches x contexts, prefill chunks, "
                                     "mixed) and write the fitted cost model for `tokenmill simulate --profile`.")

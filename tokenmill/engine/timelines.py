@@ -120,6 +120,33 @@ class TimelineRecorder:
                           tl.prompt_tokens, tl.cached_tokens, tl.finished, tl.finish_reason)
         return describe(tl, steps, self.itl_target_s)
 
+    def window(self, request_id: str) -> dict | None:
+        """What a replay of the request's time needs (``tokenmill explain``): every kept request that arrived
+        from the first arrival among those in flight with it to its end, each with its arrival (seconds
+        after that first one), its prompt, cached and output tokens and its measured TTFT and gaps between
+        outputs. None if the request is not kept."""
+        with self._lock:
+            tl = self._timelines.get(request_id)
+            if tl is None:
+                return None
+            end = tl.finished if tl.finished is not None else (self._steps[-1].end if self._steps else tl.arrival)
+            beside = [x for x in self._timelines.values()
+                      if x.arrival <= end and (x.finished is None or x.finished >= tl.arrival)]
+            start = min(x.arrival for x in beside)
+            members = sorted((x for x in self._timelines.values() if start <= x.arrival <= end),
+                             key=lambda x: x.arrival)
+            rows = []
+            for x in members:
+                times = [t for t, _ in x.outputs]
+                rows.append({"request_id": x.request_id, "arrival_s": x.arrival - start,
+                             "prompt_tokens": x.prompt_tokens, "cached_tokens": max(x.cached_tokens, 0),
+                             "output_tokens": x.outputs[-1][1] if x.outputs else 0,
+                             "finished": x.finished is not None,
+                             "ttft_s": None if x.first_token is None else x.first_token - x.arrival,
+                             "e2e_s": None if x.finished is None else x.finished - x.arrival,
+                             "itl_s": [b - a for a, b in zip(times, times[1:])]})
+        return {"request_id": request_id, "requests": rows}
+
 
 def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) -> dict:
     """A timeline as data: times in seconds since arrival, every step it took part in with the step's whole

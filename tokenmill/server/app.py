@@ -9,6 +9,7 @@ the API key, 503 when overloaded or draining, 500 when the engine loop died.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import asynccontextmanager
 
@@ -19,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.live_cost import LiveCostModel
 from tokenmill.engine.timelines import TimelineRecorder
 from tokenmill.engine.utilization import Nvml, ProcessCpu, UtilizationMeter
 from tokenmill.monitor.history import MetricsHistory
@@ -51,6 +53,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                             nvml=Nvml(info.device, info.device_uuid))
     engine.observers.append(metrics)
     serving.on_refused = metrics.on_refused
+    live_cost = LiveCostModel()  # the simulator's cost model fitted on the served steps, and its error
+    engine.observers.append(live_cost)
+    metrics.add_gauge("tokenmill:step_time_prediction_error",
+                      "Mean absolute relative error of the live-fitted step-cost model's out-of-sample predictions "
+                      "of the last 200 steps' cycles (NaN until it has fitted 50 steps).", lambda: live_cost.error)
+    metrics.add_gauge("tokenmill:step_time_prediction_bias",
+                      "Mean signed relative error of the same predictions (above 0: it predicts slower steps).",
+                      lambda: live_cost.bias)
     timelines = None
     if config.request_timelines:
         sched = engine.engine.config.scheduler
@@ -69,7 +79,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                 yield
         finally:
             await asyncio.to_thread(engine.shutdown, 30.0)
-            for obs in (metrics, timelines):
+            for obs in (metrics, timelines, live_cost):
                 if obs is not None and obs in engine.observers:
                     engine.observers.remove(obs)
 
@@ -79,6 +89,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.engine = engine
     app.state.history = history
     app.state.timelines = timelines
+    app.state.live_cost = live_cost
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -132,6 +143,28 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                                    f"and the last {config.request_timelines} finished ones (the response's \"id\")",
                               param="request_id", code="request_not_found")
         return json_response(found)
+
+    @app.get("/v1/requests/{request_id}/window")
+    async def request_window(request_id: str) -> Response:
+        """The traffic around a request, the engine's scheduling settings and the live cost model: what
+        `tokenmill explain` replays through the simulator."""
+        if timelines is None:
+            raise OpenAIError(404, "request timelines are off (--request-timelines 0)", code="timelines_off")
+        found = timelines.window(request_id)
+        if found is None:
+            raise OpenAIError(404, f"no timeline for request {request_id!r}", param="request_id",
+                              code="request_not_found")
+        info = engine.engine.info
+        found["engine"] = {"scheduler": dataclasses.asdict(info.config.scheduler), "num_blocks": info.num_blocks,
+                           "block_size": info.block_size, "max_model_len": info.max_model_len,
+                           "enable_prefix_caching": info.config.cache.enable_prefix_caching}
+        found["cost_model"] = live_cost.describe()
+        return json_response(found)
+
+    @app.get("/v1/cost_model")
+    async def cost_model() -> Response:
+        """The step-cost model fitted on the served steps (what `tokenmill explain` replays with)."""
+        return json_response(live_cost.describe())
 
     @app.get("/health")
     async def health() -> Response:

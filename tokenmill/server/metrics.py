@@ -61,6 +61,8 @@ class ServerMetrics:
         def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(name, doc, labels, registry=reg).labels(model_name).set_function(fn)
 
+        self.add_gauge = gauge  # for the server's other observers (the live cost model)
+
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
               lambda: snapshot().num_running)
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
