@@ -105,6 +105,11 @@ def test_dashboard_in_chromium_under_load(llm_default, browser, tmp_path):
         # the in-flight table fills while requests run, with states and no prompt text
         rows = wait_for(lambda: browser.find_elements("css selector", "#requests tbody tr"), 20, "table rows")
         assert rows[0].find_elements("tag name", "td")[1].text in ("waiting", "prefill", "decode", "preempted")
+        # a row's request as a waterfall: its steps drawn from GET /v1/requests/{id}/timeline
+        rid = rows[0].get_attribute("data-id")
+        rows[0].click()
+        timeline = browser.find_element("id", "timeline")
+        wait_for(lambda: timeline.get_attribute("data-request") == rid, 10, "the clicked request's timeline")
         if os.environ.get("TOKENMILL_DASHBOARD_SCREENSHOT"):
             time.sleep(4)  # let a few more seconds of load into the charts
             browser.save_screenshot(os.environ["TOKENMILL_DASHBOARD_SCREENSHOT"])
@@ -117,6 +122,21 @@ def test_dashboard_in_chromium_under_load(llm_default, browser, tmp_path):
             want = metric(text, name)
             wait_for(lambda k=key, w=want: shown(browser, k) == w, 10, f"{key} = {want}")
         assert shown(browser, "running") == 0
+        # the same request, finished now, looked up by id: every step it took, and the blame for its TTFT
+        box = browser.find_element("id", "timeline-id")
+        box.clear()
+        box.send_keys(rid)
+        browser.find_element("css selector", "#timeline-form button").click()
+        summary = browser.find_element("id", "timeline-summary")
+        wait_for(lambda: "finished" in summary.text and "TTFT:" in summary.text, 10, "the finished timeline")
+        want = httpx.get(f"{srv.url}/v1/requests/{rid}/timeline", headers=auth).json()
+        steps = [e for e in want["events"] if e["event"] == "step"]
+        assert timeline.get_attribute("data-steps") == str(len(steps)) and len(steps) >= 24  # (24 tokens out)
+        assert len(browser.find_elements("css selector", "#timeline .tl-prefill, #timeline .tl-decode")) == len(steps)
+        box.clear()
+        box.send_keys("no-such-request")
+        browser.find_element("css selector", "#timeline-form button").click()
+        wait_for(lambda: "no timeline for request" in summary.text, 10, "the 404's message")
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
     finally:

@@ -10,6 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.bench.client import ApiConfig, wait_until_ready
 from tokenmill.bench.datasets import dataset_spec, sample_requests
@@ -17,6 +18,9 @@ from tokenmill.models.tokenizer_loader import load_tokenizer
 from tokenmill.bench.metrics import parse_goodput, parse_percentiles
 from tokenmill.bench.report import compare_table, run_block, sustainable_point, sweep_table
 from tokenmill.bench.runner import LoadSpec, RunResult, run_async
+
+if TYPE_CHECKING:
+    from tokenmill.bench.datasets import DatasetSpec
 
 
 def _points(a: argparse.Namespace) -> list[LoadSpec]:
@@ -84,7 +88,7 @@ def result_path(a: argparse.Namespace) -> Path | None:
     return Path(a.result_dir or ".") / name
 
 
-def flat_result(run: RunResult, a: argparse.Namespace, spec) -> dict:  # noqa: ANN001
+def flat_result(run: RunResult, a: argparse.Namespace, spec: DatasetSpec) -> dict:
     """One run in `vllm bench serve`'s layout: its keys at the top level, per-request lists beside."""
     ok = [r for r in run.results if r.success]
     return {

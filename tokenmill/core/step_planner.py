@@ -20,11 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.perf.step_cost import StepShape, StepTimeTracker
+
+if TYPE_CHECKING:
+    from tokenmill.core.request_queue import FCFSQueue, PriorityQueue
+    from tokenmill.request import Request
 
 # The smallest prefill chunk a step takes even when the decodes alone fill the target: arriving prompts
 # always make progress (and the batch target leaves room for it).
@@ -72,6 +77,20 @@ def prefill_equivalent(chunk_at: list[tuple[int, int]], start: int, end: int) ->
     return steps * max(chunk_at[0][1], 1)
 
 
+class PlannedScheduler(Protocol):
+    """What a planner reads of the scheduler it plans for (core/scheduler.py's Scheduler, which imports this
+    module): the running and waiting requests and the context length."""
+
+    @property
+    def running(self) -> list[Request]: ...
+
+    @property
+    def waiting(self) -> FCFSQueue | PriorityQueue: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
 class FixedPlanner:
     """The configured budget and cap; no predictions, no forecast."""
 
@@ -80,13 +99,13 @@ class FixedPlanner:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
 
-    def token_budget(self, sched) -> int:  # noqa: ANN001 -- a core.scheduler.Scheduler
+    def token_budget(self, sched: PlannedScheduler) -> int:
         return self.config.max_num_batched_tokens
 
-    def max_running(self, sched) -> int:  # noqa: ANN001
+    def max_running(self, sched: PlannedScheduler) -> int:
         return self.config.max_num_seqs
 
-    def forecast(self, sched) -> Forecast | None:  # noqa: ANN001
+    def forecast(self, sched: PlannedScheduler) -> Forecast | None:
         return None
 
 
@@ -114,7 +133,7 @@ class SLOPlanner:
     def observe(self, shape: StepShape, seconds: float) -> None:
         self.tracker.observe(self.cost(shape), seconds)
 
-    def target(self, sched) -> float:  # noqa: ANN001
+    def target(self, sched: PlannedScheduler) -> float:
         """The step-time target: the tightest TPOT among the running requests' own SLOs, else the engine's."""
         own = [r.slo_tpot_ms for r in sched.running if r.slo_tpot_ms]
         return min([self.target_s] + [self.headroom * ms / 1e3 for ms in own])
@@ -132,7 +151,7 @@ class SLOPlanner:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def token_budget(self, sched) -> int:  # noqa: ANN001
+    def token_budget(self, sched: PlannedScheduler) -> int:
         if not self.config.enable_chunked_prefill:  # whole prompts: the budget cannot cut them
             return self.config.max_num_batched_tokens
         decodes = [r for r in sched.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -154,7 +173,7 @@ class SLOPlanner:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def max_running(self, sched) -> int:  # noqa: ANN001
+    def max_running(self, sched: PlannedScheduler) -> int:
         if not self.config.slo_tpot_ms:
             return self.config.max_num_seqs
         reqs = list(sched.running) or list(sched.waiting)[:1]
@@ -164,7 +183,7 @@ class SLOPlanner:
         self.last_batch_target = self.batch_target(max(context, 1), self.target(sched))
         return self.last_batch_target
 
-    def forecast(self, sched) -> Forecast:  # noqa: ANN001
+    def forecast(self, sched: PlannedScheduler) -> Forecast:
         cap = self.max_running(sched)
         # A newcomer's prompt is computed beside the decodes of those running and, as they get their first
         # tokens one after another, of about half those waiting ahead of it: plan its steps at that batch

@@ -113,7 +113,7 @@ def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
                         "(recompute, default) or ends the request aborted (fail)")
 
 
-def add_speculative_args(g, engine: bool = True) -> None:  # noqa: ANN001 -- an argparse group or parser
+def add_speculative_args(g: argparse.ArgumentParser | argparse._ArgumentGroup, engine: bool = True) -> None:
     """The speculative-decoding flags: serve's, and (engine=False: what the draft model and the method are)
     simulate's, which runs the same scheduler with a modelled acceptance."""
     g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],

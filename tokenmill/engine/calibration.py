@@ -19,11 +19,14 @@ from tokenmill.perf.step_cost import CalibratedCost, StepShape
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
     import torch
 
     from tokenmill.config import EngineConfig, ModelConfig
     from tokenmill.core.kv_cache import KVCacheManager
     from tokenmill.tokenizer import Tokenizer
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
 
@@ -40,6 +43,15 @@ class StartupState(Protocol):
     max_model_len: int
     kv_cache: KVCacheManager
     runner: Any
+
+
+class TimedEngine(Protocol):
+    """What the step timing reads of an engine: its KV pool, its ModelRunner and its context (a CoreBuilder at
+    start-up, or an in-process LLMEngine, which carries its core's parts)."""
+
+    kv_cache: KVCacheManager
+    runner: ModelRunner
+    max_model_len: int
 
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -64,7 +76,7 @@ def grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
     return pts
 
 
-def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple[object, float]:  # noqa: ANN001
+def measure(engine: TimedEngine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple[object, float]:
     """(the step's SchedulerOutput, median seconds of the runner executing it)."""
     import torch
 
@@ -106,7 +118,9 @@ def measure(engine, point: tuple[int, int, int, int], repeats: int = 3) -> tuple
     return out, statistics.median(times[1:])
 
 
-def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001, ANN201
+def time_points(engine: TimedEngine, points: Iterable[tuple[int, int, int, int]], repeats: int = 3,
+                report: Callable[[int, tuple[int, int, int, int], float | str], None] | None = None,
+                ) -> tuple[list[StepShape], list[float]]:
     """(StepShapes, median seconds) of the points that fit the engine's context and KV pool; ``report(i, point,
     seconds or why skipped)`` hears of each."""
     shapes, seconds = [], []
@@ -125,7 +139,8 @@ def time_points(engine, points, repeats: int = 3, report=None):  # noqa: ANN001,
     return shapes, seconds
 
 
-def calibrate(engine, points, repeats: int = 3):  # noqa: ANN001, ANN201
+def calibrate(engine: TimedEngine, points: Iterable[tuple[int, int, int, int]], repeats: int = 3,
+              ) -> tuple[CalibratedCost, int]:
     """(CalibratedCost fitted to the points that fit the engine's pool and context, how many did)."""
     shapes, seconds = time_points(engine, points, repeats)
     if len(shapes) < 2:

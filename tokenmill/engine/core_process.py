@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -49,6 +50,12 @@ from tokenmill.engine.messages import (
     to_core_decoder,
     to_core_encoder,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.messages import FromCore, ToCore
 
 logger = logging.getLogger("tokenmill")
 POLL_S = 0.1  # how often a waiting client looks whether the core process is still there
@@ -118,7 +125,7 @@ class CoreProcessClient:
     def report_requests(self) -> None:
         self._send(ReportRequests())
 
-    def _send(self, msg) -> None:  # noqa: ANN001
+    def _send(self, msg: ToCore) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -146,7 +153,7 @@ class CoreProcessClient:
                 raise EngineCoreDiedError(f"the engine core died: {m.error_type}: {m.message}")
         return [m for m in steps if isinstance(m, CoreStep)]
 
-    def _recv(self, timeout: float):  # noqa: ANN202
+    def _recv(self, timeout: float) -> FromCore | None:
         if self._from_core.poll(int(timeout * 1000)):
             return from_core_decoder.decode(self._from_core.recv(copy=False).buffer)
         if timeout and not self.process.is_alive():
@@ -252,7 +259,7 @@ def run_engine_core(config_bytes: bytes, in_addr: str, out_addr: str, parent_pid
     ctx.term()
 
 
-def _loop(core, inbox, send) -> None:  # noqa: ANN001
+def _loop(core: EngineCore, inbox: zmq.Socket, send: Callable[[FromCore], object]) -> None:
     while True:
         # Every queued command goes in before the next step; with nothing to run, wait for one.
         changed = False

@@ -21,6 +21,7 @@ from tokenmill.perf.step_cost import FEATURES, CalibratedCost
 
 if TYPE_CHECKING:
     from tokenmill.engine.messages import StepStats
+    from tokenmill.outputs import RequestOutput
     from tokenmill.perf.step_cost import StepShape
 
 
@@ -44,7 +45,7 @@ class LiveCostModel:
     def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         pass
 
-    def on_request_finished(self, output, now: float) -> None:  # noqa: ANN001
+    def on_request_finished(self, output: RequestOutput, now: float) -> None:
         pass
 
     def on_step(self, stats: StepStats) -> None:

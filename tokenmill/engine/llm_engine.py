@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import CoreClient, InprocClient, make_client
@@ -28,6 +29,9 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.engine.core import EngineCore
+
 __all__ = ["LLMEngine", "StepStats"]
 logger = logging.getLogger("tokenmill")
 
@@ -37,7 +41,7 @@ class LLMEngine:
         self._attach(make_client(config, core_process))
 
     @classmethod
-    def from_core(cls, core) -> LLMEngine:  # noqa: ANN001
+    def from_core(cls, core: EngineCore) -> LLMEngine:
         """The front end of an EngineCore built elsewhere (tests assemble one around a fake runner)."""
         engine = cls.__new__(cls)
         engine._attach(InprocClient(core))

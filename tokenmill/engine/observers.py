@@ -8,8 +8,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
+    from tokenmill.engine.messages import StepStats
+    from tokenmill.engine.streams import EngineObserver
     from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger("tokenmill")
@@ -25,7 +27,7 @@ def notify(fn: Callable, *args: Any) -> None:
 class Observers(list):
     """The engine's observers (a list: the server adds and removes its own), told through the methods below."""
 
-    def __init__(self, observers=()) -> None:  # noqa: ANN001
+    def __init__(self, observers: Iterable[EngineObserver] = ()) -> None:
         super().__init__(observers)
         self._seen: dict[str, list[int]] = {}  # request id -> output tokens told so far, per child sequence
 
@@ -74,7 +76,7 @@ class Observers(list):
             for obs in self:
                 notify(obs.on_request_finished, out, now)
 
-    def step(self, stats) -> None:  # noqa: ANN001 - engine/step_log.py's StepStats
+    def step(self, stats: StepStats) -> None:
         for obs in self:
             notify(obs.on_step, stats)
 

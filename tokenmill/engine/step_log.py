@@ -13,9 +13,14 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.perf.step_cost import StepShape
 from tokenmill.engine.messages import StepStats
+
+if TYPE_CHECKING:
+    from tokenmill.engine.messages import CoreInfo
+    from tokenmill.outputs import RequestOutput
 
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
 
@@ -24,14 +29,14 @@ class StepLog:
     """An engine observer writing each step that computed something as a JSON line, after a first line
     naming the engine (what a profile fitted to the steps records of it)."""
 
-    def __init__(self, path: str | Path, info) -> None:  # noqa: ANN001 -- the engine's CoreInfo
+    def __init__(self, path: str | Path, info: CoreInfo) -> None:
         self._file = open(path, "w", buffering=1)  # noqa: SIM115 -- open while the server runs
         self._file.write(json.dumps({"engine": engine_meta(info)}) + "\n")
 
     def on_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         pass
 
-    def on_request_finished(self, output, now: float) -> None:  # noqa: ANN001
+    def on_request_finished(self, output: RequestOutput, now: float) -> None:
         pass
 
     def on_step(self, stats: StepStats) -> None:  # on the engine thread, which is also the only writer
@@ -45,7 +50,7 @@ class StepLog:
         self._file.close()
 
 
-def engine_meta(info) -> dict:  # noqa: ANN001
+def engine_meta(info: CoreInfo) -> dict:
     """What a calibrated profile says of the engine it timed (both `tokenmill profile`s write it)."""
     return {"model": info.model_name, "quantization": info.quantization, "kv_bytes_per_token": info.kv_bytes_per_token,
             "kv_cache_bytes": info.num_blocks * info.block_size * info.kv_bytes_per_token}

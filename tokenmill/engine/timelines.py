@@ -161,7 +161,8 @@ def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) 
             me = next(e for e in s.requests if e[0] == tl.request_id)
             events.append({"t": s.start - t0, "event": "step", "step": s.number, "duration": s.duration,
                            "start_position": me[1], "tokens": me[2], "drafts": me[3], "emitted": me[4],
-                           "kind": _kind(me), "batch": [_entry(e) for e in s.requests if e[0] != tl.request_id]})
+                           "kind": _kind(me), "batch_size": len(s.requests),
+                           "batch": [_entry(e) for e in _largest(s.requests, tl.request_id)]})
         if s.number in preempted:
             why = preempted[s.number]
             events.append({"t": s.start - t0, "event": "preempted", "step": s.number,
@@ -183,6 +184,14 @@ def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) 
         out["ttft_blame"] = ttft_blame(tl.request_id, t0, first, steps, own, preempted)
     out["itl_blame"] = itl_blame(tl.request_id, steps, own, itl_target_s)
     return out
+
+
+BATCH_SHOWN = 16  # the other requests shown per step, the largest first
+
+
+def _largest(entries: list[tuple], skip: str) -> list[tuple]:
+    others = [e for e in entries if e[0] != skip]
+    return others if len(others) <= BATCH_SHOWN else sorted(others, key=lambda e: -(e[2] + e[3]))[:BATCH_SHOWN]
 
 
 def _kind(e: tuple) -> str:

@@ -32,6 +32,7 @@ import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from tokenmill.config import KVTransferConfig
 from tokenmill.core.kv_cache import cdiv
 from tokenmill.core.sched_output import KVRecv, KVSend, KVTransferStats
 from tokenmill.kv_transfer.frames import PeerClosed, recv_exactly, recv_header, send_header
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupGloo, Store
 
 logger = logging.getLogger("tokenmill")
 RECEIVE_THREADS = 4  # pulls in flight at once on a consumer
@@ -247,7 +251,7 @@ class KVConnector:
                 with self._lock:
                     self._conns.discard(sock)
 
-    def _hello(self, sock: socket.socket, msg: dict):  # noqa: ANN202
+    def _hello(self, sock: socket.socket, msg: dict) -> ProcessGroupGloo | None:
         if msg.get("transport") != self.config.kv_transport:
             send_header(sock, {"ok": False, "error": f"this producer sends KV over {self.config.kv_transport!r}, "
                                f"the consumer asked for {msg.get('transport')!r}: start both with the same "
@@ -260,7 +264,7 @@ class KVConnector:
         send_header(sock, {"ok": True, "store_port": self._store.port, "pair": pair})
         return _pair_group(self._store, pair, 0, self.timeout)
 
-    def _send(self, sock: socket.socket, msg: dict, group, staging: _Staging) -> None:  # noqa: ANN001
+    def _send(self, sock: socket.socket, msg: dict, group: ProcessGroupGloo | None, staging: _Staging) -> None:
         rid = str(msg.get("request_id"))
         with self._lock:
             offer = self._offers.get(rid)
@@ -402,7 +406,7 @@ def _refusal(offer: _Offer | None, msg: dict, layout: str, rid: str) -> str | No
     return None
 
 
-def _pair_group(store, pair: int, rank: int, timeout: float):  # noqa: ANN001, ANN202
+def _pair_group(store: Store, pair: int, rank: int, timeout: float) -> ProcessGroupGloo:
     """The two-rank group of one producer-consumer connection (rank 0: the producer)."""
     import torch.distributed as dist
 

@@ -33,10 +33,14 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.platform import cpu_flags, cpu_name
+
+if TYPE_CHECKING:
+    from torch._ops import _OpNamespace  # torch.ops.tokenmill, the loaded kernels' op namespace
 
 logger = logging.getLogger("tokenmill")
 
@@ -155,7 +159,7 @@ def vnni_min_tokens_from_env() -> int | None:
     return n
 
 
-def _vnni_crossing(ops) -> int:  # noqa: ANN001
+def _vnni_crossing(ops: _OpNamespace) -> int:
     """The fewest tokens from which the AVX512-VNNI GEMM beats the AVX2 one on this CPU (16 where VNNI is not
     in use): it widens a panel of weights once for all tokens, which pays from 8 tokens on a Sapphire
     Rapids-class Xeon (a whole step of the embedded model: 1.15x slower at 7 tokens, 0.94x at 8, 0.78x
@@ -205,7 +209,7 @@ def _vnni_crossing(ops) -> int:  # noqa: ANN001
 CROSSING_VERSION = 1  # bump when the timing (SHAPES, CROSSING_TOKENS, the 10% rule) changes
 
 
-def _cached_crossing(ops, so: Path) -> int:  # noqa: ANN001
+def _cached_crossing(ops: _OpNamespace, so: Path) -> int:
     """_vnni_crossing, timed once per (kernel build, CPU model and flags, thread count) and kept beside the
     build: a one-shot command should not spend a second of its start timing GEMMs (the result only moves
     speed). A missing, unreadable or out-of-range file is timed again; a file that cannot be written only
@@ -241,7 +245,7 @@ def cpu_kernels():
         return _load_kernels()
 
 
-def _load_kernels():  # noqa: ANN202
+def _load_kernels() -> _OpNamespace | None:
     global _reason
     crossing = vnni_min_tokens_from_env()  # a bad value is the user's to fix, not a reason to go without kernels
     activation_precision_from_env()

@@ -9,6 +9,12 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+    from tokenmill.config import ModelConfig
 
 
 def describe(model: str) -> dict:
@@ -20,7 +26,7 @@ def describe(model: str) -> dict:
     return out
 
 
-def _auto_mode(reader) -> str:  # noqa: ANN001
+def _auto_mode(reader: GGUFReader | None) -> str:
     """--quantization auto's choice for this file with the default --device and --dtype, on this machine."""
     from tokenmill.config import EngineConfig
     from tokenmill.layers.kernels import cpu_kernels
@@ -83,14 +89,14 @@ def _hf(folder: Path) -> dict:
     }
 
 
-def _config(cfg) -> dict:  # noqa: ANN001
+def _config(cfg: ModelConfig) -> dict:
     return {"architecture": cfg.architecture, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size,
             "context_length": cfg.max_position_embeddings, "tied_embeddings": cfg.tie_word_embeddings,
             "features": _features(cfg)}
 
 
-def _features(cfg) -> list[str]:  # noqa: ANN001
+def _features(cfg: ModelConfig) -> list[str]:
     """What this family adds to a Llama decoder, in words."""
     out = ["q/k/v bias"] if cfg.attention_bias else []
     out += [{"head": "q/k RMSNorm per head", "all": "q/k RMSNorm"}[cfg.qk_norm]] if cfg.qk_norm else []

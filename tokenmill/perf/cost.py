@@ -50,10 +50,14 @@ pipeline parallel instance ships its shard over its own, so an instance's link i
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig
 from tokenmill.perf.step_cost import StepShape
 from tokenmill.perf.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from tokenmill.perf.step_cost import CalibratedCost
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
@@ -182,7 +186,7 @@ class ScaledCost:
     timed alone (HTTP, detokenization, a benchmark client on the same cores), as its planner measured it
     (the ``tokenmill:step_time_ratio`` gauge, the "step time N% of predicted" log line)."""
 
-    def __init__(self, inner, scale: float) -> None:  # noqa: ANN001
+    def __init__(self, inner: RooflineCost | CalibratedCost | ScaledCost, scale: float) -> None:
         if not scale > 0:
             raise ValueError(f"--step-time-scale must be positive, got {scale}")
         self.inner, self.scale = inner, scale

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,9 @@ from tokenmill.server.responses import _error_response, json_response
 from tokenmill.server.serving import ServerConfig, ServingBase, _validation_error
 from tokenmill.server.streaming import _ClientGone
 from tokenmill.version import __version__
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -71,7 +75,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     history = MetricsHistory(metrics.registry.collect) if config.dashboard else None
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         logger.info("serving %s (context %d tokens)", serving.model_name, serving.max_model_len)
         try:

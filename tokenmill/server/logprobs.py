@@ -4,12 +4,16 @@ logprobs (echo, and vLLM's prompt_logprobs field)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
 
 
 class _TokenText:
     """Token id -> (text, utf-8 bytes), cached."""
 
-    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
         try:

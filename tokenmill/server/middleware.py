@@ -6,14 +6,21 @@ import asyncio
 import base64
 import binascii
 import hmac
+from typing import TYPE_CHECKING
 
 from fastapi.exceptions import HTTPException
 
 from tokenmill.server.protocol import OpenAIError
 from tokenmill.server.responses import _dumps
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
-async def _send_error(send, status: int, message: str, code: str | None, headers=()) -> None:  # noqa: ANN001
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+async def _send_error(send: Send, status: int, message: str, code: str | None,
+                      headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     body = _dumps(OpenAIError(status, message, None, code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -31,7 +38,7 @@ class AuthMiddleware:
     browser cannot send a bearer token when it opens a page, so the key is also taken as HTTP Basic
     auth's password (any user name), and /dashboard's 401 asks the browser for it."""
 
-    def __init__(self, app, api_key: str) -> None:  # noqa: ANN001
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
@@ -47,7 +54,7 @@ class AuthMiddleware:
             return False
         return hmac.compare_digest(token, self._key)
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = b""
             for k, v in scope["headers"]:
@@ -68,12 +75,12 @@ class BodyLimitMiddleware:
     """Requests with bodies over ``limit`` bytes get 413, by Content-Length or while streaming in; a body
     whose next part takes longer than ``timeout`` seconds to come (slowloris) gets 408."""
 
-    def __init__(self, app, limit: int, timeout: float = 30.0) -> None:  # noqa: ANN001
+    def __init__(self, app: ASGIApp, limit: int, timeout: float = 30.0) -> None:
         self.app = app
         self.limit = limit
         self.timeout = timeout
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         for k, v in scope["headers"]:
@@ -88,7 +95,7 @@ class BodyLimitMiddleware:
         received = 0
         body_done = False
 
-        async def limited_receive():  # noqa: ANN202
+        async def limited_receive() -> Message:
             nonlocal received, body_done
             if body_done:  # afterwards receive() waits for the client to leave: no deadline on that
                 return await receive()

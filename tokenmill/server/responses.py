@@ -7,11 +7,14 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.server.protocol import OpenAIError
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -44,7 +47,7 @@ class SSEResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def listen() -> None:
             while True:
                 if (await receive())["type"] == "http.disconnect":

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,6 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.server.metrics import TTFT_BUCKETS
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import AsyncIterator
 
 logger = logging.getLogger("tokenmill.router")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -182,7 +187,7 @@ class Router:
                 inst.inflight -= 1
         return StreamingResponse(self._relay(inst, resp, arrival, sent), media_type=media)
 
-    async def _leg(self, pool: list[Instance], path: str, body: dict):  # noqa: ANN202
+    async def _leg(self, pool: list[Instance], path: str, body: dict) -> tuple[Instance, httpx.Response] | Response:
         """Send ``body`` to the least loaded instance of ``pool``, the next one if it fails: (instance, open
         response) with the instance's in-flight count taken, or an error Response."""
         tried: set[Instance] = set()
@@ -220,7 +225,8 @@ class Router:
             self.requests.labels(inst.role, inst.url, "ok" if resp.status_code < 400 else "client_error").inc()
             return inst, resp
 
-    async def _relay(self, inst: Instance, resp: httpx.Response, arrival: float, sent: float):  # noqa: ANN202
+    async def _relay(self, inst: Instance, resp: httpx.Response, arrival: float, sent: float
+                     ) -> AsyncIterator[bytes]:
         first = True
         try:
             async for chunk in resp.aiter_raw():
@@ -239,7 +245,7 @@ def build_router_app(router: Router) -> FastAPI:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
         task = asyncio.create_task(router.poll_forever())
         try:
@@ -279,7 +285,7 @@ def build_router_app(router: Router) -> FastAPI:
     return app
 
 
-def run_router(a) -> int:  # noqa: ANN001
+def run_router(a: argparse.Namespace) -> int:
     """``tokenmill router``: serve until SIGTERM/SIGINT."""
     import os
 

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,6 +17,12 @@ from fastapi import FastAPI
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.app import OpenAIServing, build_app
 from tokenmill.server.serving import ServerConfig
+
+if TYPE_CHECKING:
+    import argparse
+    from types import FrameType
+
+    from tokenmill.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -56,7 +63,7 @@ class Server(uvicorn.Server):
                 return True
         return await super().on_tick(counter)
 
-    def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         serving: OpenAIServing = self._app.state.serving
         serving.draining = True
         serving.engine.stop_accepting()
@@ -69,7 +76,7 @@ class Server(uvicorn.Server):
         else:
             super().handle_exit(sig, frame)
 
-    def _drain(self, sig: int, frame) -> None:  # noqa: ANN001
+    def _drain(self, sig: int, frame: FrameType | None) -> None:
         serving: OpenAIServing = self._app.state.serving
         engine = serving.engine
         deadline = time.monotonic() + serving.config.drain_timeout
@@ -176,11 +183,11 @@ def serve(engine: AsyncEngine, config: ServerConfig, host: str = "127.0.0.1", po
     return 0 if engine.error is None else 1
 
 
-def _exit_cleanly(signum: int, frame) -> None:  # noqa: ANN001
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def configure_logging(a) -> None:  # noqa: ANN001
+def configure_logging(a: argparse.Namespace) -> None:
     if a.log_level.upper() == "WARNING":  # the CLI default: a server should say what it does
         logging.getLogger("tokenmill").setLevel(logging.INFO)
     if a.disable_log_requests:
@@ -189,7 +196,7 @@ def configure_logging(a) -> None:  # noqa: ANN001
         logging.getLogger("tokenmill.stats").setLevel(logging.WARNING)
 
 
-def config_from_args(a) -> ServerConfig:  # noqa: ANN001
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
     """ServerConfig from ``tokenmill serve`` flags; the API key falls back to $TOKENMILL_API_KEY."""
     api_key = a.api_key or os.environ.get("TOKENMILL_API_KEY") or None
     return ServerConfig(served_model_names=a.served_model_name or (), api_key=api_key, max_n=a.max_n,
@@ -201,7 +208,7 @@ def config_from_args(a) -> ServerConfig:  # noqa: ANN001
                         request_timelines=a.request_timelines)
 
 
-def serve_args(llm_engine, a) -> int:  # noqa: ANN001
+def serve_args(llm_engine: LLMEngine, a: argparse.Namespace) -> int:
     """Serve an already built LLMEngine (or one with its interface) with ``tokenmill serve`` flags."""
     configure_logging(a)
     config = config_from_args(a)
@@ -224,7 +231,7 @@ def serve_args(llm_engine, a) -> int:  # noqa: ANN001
             step_log.close()
 
 
-def run_from_args(a) -> int:  # noqa: ANN001
+def run_from_args(a: argparse.Namespace) -> int:
     """``tokenmill serve``: load the model (in the engine core's own process unless
     --no-engine-core-process), then serve it."""
     from tokenmill.config import EngineConfig

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi.exceptions import RequestValidationError
 
@@ -16,6 +17,10 @@ from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidPar
 from tokenmill.server.logprobs import _TokenText
 from tokenmill.server.protocol import OpenAIError, bad_request
 from tokenmill.server.tools import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import StructuredOutputsParams
+    from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM), avoiding logits / ~0 overflow
 
@@ -77,7 +82,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _split_prompts(prompt) -> list[str | list[int]]:  # noqa: ANN001
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[str | list[int]]:
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, str):
@@ -149,9 +154,10 @@ class ServingBase:
                               f"{', '.join(repr(m) for m in self.model_names)}", "model", "model_not_found")
         return model
 
-    def sampling_params(self, req, *, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
-                        logprobs_param: str, structured=None, prompt_logprobs: int | None = None,
-                        ) -> SamplingParams:  # noqa: ANN001
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                        max_tokens_param: str, logprobs: int | None, logprobs_param: str,
+                        structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
+                        ) -> SamplingParams:
         cfg = self.config
         n = 1 if req.n is None else req.n
         if n > cfg.max_n:

@@ -4,11 +4,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.protocol import bad_request
 
+if TYPE_CHECKING:
+    from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
-def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]:  # noqa: ANN001
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                       ) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the request field it came from, for error messages)."""
     given = []
     rf = req.response_format

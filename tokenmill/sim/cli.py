@@ -7,6 +7,16 @@ import math
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.bench.datasets import SampleRequest
+    from tokenmill.bench.runner import RunResult
+    from tokenmill.config import ModelConfig
+    from tokenmill.perf.cost import RooflineCost, ScaledCost
+    from tokenmill.perf.hardware import HardwareProfile
+    from tokenmill.perf.step_cost import CalibratedCost
+    from tokenmill.sim.simulator import Disaggregation, SimResult, Simulator
 
 SEARCH_STEPS = 8  # bisection steps of the rate search once a failing rate is bracketed
 
@@ -115,7 +125,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p)
 
 
-def model_config(model: str):  # noqa: ANN201
+def model_config(model: str) -> tuple[ModelConfig, str]:
     """(ModelConfig, name) of a model name, .gguf, HF folder or a config.json file, without weights."""
     from tokenmill.models.hf_loader import hf_model_config
 
@@ -133,7 +143,7 @@ def model_config(model: str):  # noqa: ANN201
     return gguf_model_config(open_gguf(src.path)), src.name
 
 
-def build(a: argparse.Namespace):  # noqa: ANN201
+def build(a: argparse.Namespace) -> tuple[CalibratedCost | RooflineCost | ScaledCost, Simulator, str, float]:
     """(cost model, simulator, description) for one configuration's flags."""
     from tokenmill.config import SchedulerConfig, parse_memory
     from tokenmill.perf.step_cost import CalibratedCost
@@ -228,7 +238,7 @@ def build(a: argparse.Namespace):  # noqa: ANN201
     return cost, sim, what, kv_token
 
 
-def disaggregation(a: argparse.Namespace, hw, kv_token: float):  # noqa: ANN001, ANN201
+def disaggregation(a: argparse.Namespace, hw: HardwareProfile | None, kv_token: float) -> Disaggregation | None:
     """The Disaggregation of --disaggregated P:D and the KV link flags, or None without them. The link is
     the hardware profile's NIC (or --kv-link-gbps) times the devices of an instance: each ships its shard."""
     from tokenmill.sim.simulator import Disaggregation
@@ -261,7 +271,7 @@ def disaggregation(a: argparse.Namespace, hw, kv_token: float):  # noqa: ANN001,
     return Disaggregation(p, d, kv_token, per_device * devices, latency)
 
 
-def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN201
+def speculative(a: argparse.Namespace, cfg: ModelConfig, max_len: int) -> tuple[str | None, ModelConfig | None]:
     """(method or None, the draft model's ModelConfig or None) of the speculative flags, checked as the
     engine checks them (config.SpeculativeConfig, and a draft model must share the target's vocabulary
     and reach its context)."""
@@ -292,7 +302,7 @@ def speculative(a: argparse.Namespace, cfg, max_len: int):  # noqa: ANN001, ANN2
     return "draft", draft
 
 
-def workload(a: argparse.Namespace):  # noqa: ANN201
+def workload(a: argparse.Namespace) -> list[SampleRequest]:
     from tokenmill.bench.datasets import PromptMaker, sample_requests
     from tokenmill.models.tokenizer_loader import load_tokenizer
     from tokenmill.bench.datasets import dataset_spec
@@ -307,7 +317,7 @@ def workload(a: argparse.Namespace):  # noqa: ANN201
 MAX_REQUESTS = 100_000  # the rate search stops where a window would need more
 
 
-def window(requests, rate: float | None, a: argparse.Namespace):  # noqa: ANN001, ANN201
+def window(requests: list[SampleRequest], rate: float | None, a: argparse.Namespace) -> list[SampleRequest]:
     """The requests of --duration seconds at ``rate``: the workload cycled to rate x duration of them."""
     if rate is None or math.isinf(rate) or requests[0].arrival_s is not None:
         return requests
@@ -315,7 +325,8 @@ def window(requests, rate: float | None, a: argparse.Namespace):  # noqa: ANN001
     return [requests[i % len(requests)] for i in range(n)]
 
 
-def run_at(sim, requests, rate: float | None, a: argparse.Namespace, slos: dict):  # noqa: ANN001, ANN201
+def run_at(sim: Simulator, requests: list[SampleRequest], rate: float | None, a: argparse.Namespace, slos: dict,
+           ) -> tuple[RunResult, SimResult]:
     from tokenmill.bench.arrivals import schedule
     from tokenmill.bench.metrics import calculate_metrics
     from tokenmill.bench.runner import LoadSpec, RunResult
@@ -328,7 +339,8 @@ def run_at(sim, requests, rate: float | None, a: argparse.Namespace, slos: dict)
     return RunResult("simulated", load, out.results, out.duration, metrics), out
 
 
-def search(sim, requests, a, slos):  # noqa: ANN001, ANN201
+def search(sim: Simulator, requests: list[SampleRequest], a: argparse.Namespace, slos: dict[str, float],
+           ) -> tuple[tuple[RunResult, SimResult] | None, tuple[RunResult, SimResult] | None]:
     """The highest Poisson/gamma rate whose SLO percentile holds: double until one fails, then bisect."""
     from tokenmill.bench.metrics import meets_slo_percentile
 
@@ -359,7 +371,8 @@ def search(sim, requests, a, slos):  # noqa: ANN001, ANN201
     return best, None
 
 
-def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  # noqa: ANN001
+def report(label: str, run: RunResult, out: SimResult, what: str, kv_token: float, a: argparse.Namespace,
+           slos: dict[str, float]) -> str:
     from tokenmill.bench.report import run_block
 
     m = run.metrics
@@ -407,7 +420,7 @@ def report(label: str, run, out, what: str, kv_token: float, a, slos) -> str:  #
     return "\n".join(lines)
 
 
-def disaggregation_lines(run, out, kv_token: float) -> list[str]:  # noqa: ANN001
+def disaggregation_lines(run: RunResult, out: SimResult, kv_token: float) -> list[str]:
     """Where a disaggregated request's time to its first token went (means and p99 over those whose KV
     was shipped), and each kind of instance's batch and KV pool."""
     import numpy as np
@@ -415,7 +428,7 @@ def disaggregation_lines(run, out, kv_token: float) -> list[str]:  # noqa: ANN00
     tr = out.transfers
     res = {r.index: r for r in run.results}
 
-    def ms(values) -> str:  # noqa: ANN001
+    def ms(values: list[float]) -> str:
         v = 1e3 * np.asarray(values, dtype=float)
         return f"mean {v.mean():.2f} ms, p99 {np.percentile(v, 99):.2f} ms" if len(v) else "none"
 
@@ -475,7 +488,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _key(a, name: str) -> str:  # noqa: ANN001
+def _key(a: argparse.Namespace, name: str) -> str:
     from tokenmill.bench.metrics import percentile_key
 
     return f"{percentile_key(a.slo_percentile)}_{name}_ms"

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenmill.engine.calibration import grid, time_points
 
+if TYPE_CHECKING:
+    from tokenmill.perf.step_cost import CalibratedCost
 
-def fit_held_out(shapes: list, seconds: list[float], meta: dict, by_time: bool = False):  # noqa: ANN201
+
+def fit_held_out(shapes: list, seconds: list[float], meta: dict, by_time: bool = False) -> CalibratedCost:
     """(CalibratedCost fitted to every point, its mean and max relative error on every fourth point when fitted
     to the other three). ``by_time``: each point's relative error weighs as much as its seconds (served steps,
     where what matters is the time they add up to: the many short steps of a light load must not outvote the

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenmill.perf.cost import draft_passes, probe_shape
 from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.draft_policy import PROBE_SIZES, DraftCostModel
+
+if TYPE_CHECKING:
+    from tokenmill.request import Request
 
 # Per-draft acceptance where none is given: n-gram drafts on recurring text here (BENCHMARKS.md,
 # "n-gram drafts": accepted at positions 1..3 of 0.83/0.65/0.48 at batch 1, 0.87/0.66/0.63 at 8 and
@@ -60,7 +64,7 @@ class SimProposer:
     drafts, and for a draft model the passes it would run, proposed after a step as the engine's are and
     priced when the next step launches (``take_passes``), as rank 0 runs them before it."""
 
-    def __init__(self, spec: SpecDecoding, block_size: int, draft_cost) -> None:  # noqa: ANN001
+    def __init__(self, spec: SpecDecoding, block_size: int, draft_cost: DraftCostModel) -> None:
         self.spec, self.k, self.block_size = spec, spec.k, block_size
         self.draft_cost = draft_cost  # the off rule's DraftCostModel (draft_cost_model below)
         self.passes: list[StepShape] = []
@@ -68,7 +72,7 @@ class SimProposer:
         # the request's length when it last drafted, its accepted drafts then)
         self.cached: dict[str, tuple[int, list[int], int, int]] = {}
 
-    def may_draft(self, req, batch: int) -> bool:  # noqa: ANN001
+    def may_draft(self, req: Request, batch: int) -> bool:
         """As DraftModelProposer: catching up on a request must pay (n-gram: always)."""
         if self.spec.drafter is None:
             return True
@@ -80,7 +84,7 @@ class SimProposer:
     def finish(self, request_id: str) -> None:
         self.cached.pop(request_id, None)
 
-    def propose_batch(self, batch) -> list[tuple[list[int], None]]:  # noqa: ANN001
+    def propose_batch(self, batch: list[tuple[Request, int, list[int]]]) -> list[tuple[list[int], None]]:
         """batch: (request, most drafts, block table) per drafting request; every one gets all its drafts."""
         if self.spec.drafter is not None:
             rows = []

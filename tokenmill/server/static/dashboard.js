@@ -138,6 +138,7 @@ async function pollRequests() {
       const body = document.querySelector("#requests tbody");
       body.replaceChildren(...d.requests.map(q => {
         const tr = el("tr", {"data-id": q.id});
+        tr.addEventListener("click", () => showTimeline(q.id));
         tr.append(el("td", {}, q.id), el("td", {}, q.state), el("td", {}, q.computed_tokens + " / " + q.total_tokens),
                   el("td", {}, q.output_tokens + " / " + q.max_tokens), el("td", {}, age(q.age_s)));
         return tr;
@@ -147,6 +148,71 @@ async function pollRequests() {
   } catch (e) { /* the status line reports a dead server */ }
   setTimeout(pollRequests, TABLE_MS);
 }
+
+// ---- a request's timeline as a waterfall (GET v1/requests/{id}/timeline) ------------------------------
+
+const MAX_TIMELINE_ROWS = 400;
+
+function ms(s) { return (1000 * s).toFixed(s < 0.1 ? 1 : 0) + " ms"; }
+
+function timelineRow(label, title, t0, t1, total, cls) {
+  const row = el("div", {class: "tl-row", title: title});
+  const track = el("div", {class: "tl-track"});
+  const bar = el("div", {class: "tl-bar " + cls});
+  bar.style.left = (100 * t0 / total) + "%";
+  bar.style.width = cls === "tl-mark" ? "" : Math.max(0.15, 100 * (t1 - t0) / total) + "%";
+  track.append(bar);
+  row.append(el("div", {class: "tl-label"}, label), track);
+  return row;
+}
+
+async function showTimeline(id) {
+  const box = document.getElementById("timeline");
+  const summary = document.getElementById("timeline-summary");
+  document.getElementById("timeline-id").value = id;
+  const r = await fetch(url("v1/requests/" + encodeURIComponent(id) + "/timeline"), {cache: "no-store"});
+  const d = await r.json();
+  if (!r.ok) {
+    box.replaceChildren();
+    box.removeAttribute("data-request");
+    summary.replaceChildren(el("span", {class: "error"}, (d.error && d.error.message) || ("HTTP " + r.status)));
+    return;
+  }
+  const steps = d.events.filter(e => e.event === "step");
+  const last = d.events.reduce((m, e) => Math.max(m, e.t + (e.duration || 0)), 0);
+  const total = Math.max(last, 1e-6);
+  const rows = [];
+  if (steps.length) rows.push(timelineRow("queued", "from arrival to its first step", 0, steps[0].t, total, "tl-queue"));
+  for (const e of d.events) {
+    if (rows.length >= MAX_TIMELINE_ROWS) break;
+    if (e.event === "step") {
+      const others = e.batch.map(b => b.request_id + ": " + b.kind + " " + b.tokens).join("\n");
+      const n = e.batch_size - 1;
+      rows.push(timelineRow("step " + e.step + ": " + e.kind + " " + e.tokens + " + " + n + " other" + (n === 1 ? "" : "s"), ms(e.duration) + (others ? "\nwith:\n" + others : ""),
+                            e.t, e.t + e.duration, total, e.kind === "prefill" ? "tl-prefill" : "tl-decode"));
+    } else if (e.event === "preempted") {
+      rows.push(timelineRow("preempted for " + e.needed_by, e.reason, e.t, e.t, total, "tl-preempted tl-mark"));
+    } else if (e.event === "first_token" || e.event === "finished") {
+      rows.push(timelineRow(e.event.replace("_", " ") + " at " + ms(e.t), e.reason || "", e.t, e.t, total, "tl-mark"));
+    }
+  }
+  box.replaceChildren(...rows);
+  box.setAttribute("data-request", d.request_id);
+  box.setAttribute("data-steps", String(steps.length));
+  const lines = [d.request_id + ": " + d.status + ", " + d.prompt_tokens + " prompt tokens (" + d.cached_tokens +
+                 " cached), " + d.output_tokens + " output, " + d.num_preemptions + " preemptions" +
+                 (d.ttft_s !== null ? ", TTFT " + ms(d.ttft_s) : "")];
+  if (d.ttft_blame) lines.push("TTFT: " + d.ttft_blame.summary);
+  for (const s of d.itl_blame.spikes.slice(0, 3)) lines.push("a " + ms(s.gap_s) + " gap at step " + s.step + ": " + s.cause);
+  if (d.note) lines.push(d.note);
+  summary.replaceChildren(...lines.map(t => el("div", {}, t)));
+}
+
+document.getElementById("timeline-form").addEventListener("submit", ev => {
+  ev.preventDefault();
+  const id = document.getElementById("timeline-id").value.trim();
+  if (id) showTimeline(id).catch(e => { document.getElementById("timeline-summary").textContent = e.message; });
+});
 
 window.addEventListener("resize", () => {
   for (const c of Object.values(state.charts)) c.plot.setSize({width: chartWidth(c.box), height: 200});
