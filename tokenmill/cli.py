@@ -6,9 +6,13 @@ import argparse
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.arg_utils import (add_engine_args, add_kv_transfer_args, add_sampling_args, engine_kwargs,
                                        sampling_params)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SERVE_ITL_TARGET_MS = 100.0
 
@@ -91,6 +95,14 @@ def _lazy(module: str, name: str):
 
         return getattr(importlib.import_module(module), name)(a)
     return run
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str,
+             add_args: Callable[[argparse.ArgumentParser], None], module: str, func: str) -> None:
+    """A subcommand whose flags ``add_args`` declares and whose ``module.func`` is imported when it runs."""
+    p = sub.add_parser(name, help=summary, description=description)
+    add_args(p)
+    p.set_defaults(func=_lazy(module, func))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,14 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "batch sizes, KV memory and where the time goes.")
     add_simulate_args(sm)
     sm.set_defaults(func=_lazy("tokenmill.sim.cli", "cmd_simulate"))
-    from tokenmill.sim.explain import add_explain_args
+    from tokenmill.sim.explain_args import add_explain_args
 
-    ex = sub.add_parser("explain", help="why a served request took its time, and what other settings would have given",
-                        description="Read a request's window of traffic from a running tokenmill server and replay "
-                                    "it through the simulator with the server's live-fitted cost model: as served, "
-                                    "and with --what-if settings. Its causes are at GET /v1/requests/ID/timeline.")
-    add_explain_args(ex)
-    ex.set_defaults(func=_lazy("tokenmill.sim.explain", "cmd_explain"))
+    _command(sub, "explain", "why a served request took its time, and what other settings would have given",
+             "Read a request's window of traffic from a running tokenmill server and replay it through the "
+             "simulator with the server's live-fitted cost model: as served, and with --what-if settings. Its "
+             "causes are at GET /v1/requests/ID/timeline.", add_explain_args, "tokenmill.sim.explain", "cmd_explain")
     pr = sub.add_parser("profile", help="measure this machine's step times and fit the simulator's cost model",
                         description="Time real engine steps over a grid (decode batches x contexts, prefill chunks, "
                                     "mixed) and write the fitted cost model for `tokenmill simulate --profile`.")
@@ -200,21 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=_lazy("tokenmill.sim.profile", "cmd_profile"))
     from tokenmill.models.inspect import add_inspect_args
 
-    ins = sub.add_parser("inspect", help="what a .gguf file or model folder is, from its headers",
-                         description="Describe a model without loading its weights: family, size, tensor types, "
-                                     "context length, tokenizer and chat template, and the --quantization mode "
-                                     "tokenmill would run it in on this machine.")
-    add_inspect_args(ins)
-    ins.set_defaults(func=_lazy("tokenmill.models.inspect", "cmd_inspect"))
+    _command(sub, "inspect", "what a .gguf file or model folder is, from its headers",
+             "Describe a model without loading its weights: family, size, tensor types, context length, tokenizer "
+             "and chat template, and the --quantization mode tokenmill would run it in on this machine.",
+             add_inspect_args, "tokenmill.models.inspect", "cmd_inspect")
     from tokenmill.monitor.args import add_top_args
 
-    tp = sub.add_parser("top", help="live terminal view of a running server (tokenmill's or vLLM's /metrics)",
-                        description="Read a server's /metrics every --interval seconds and show requests running "
-                                    "and waiting, KV-cache use, tokens/s, TTFT and ITL percentiles (from the "
-                                    "histograms' deltas) and, from tokenmill, device busy and roofline use. Works "
-                                    "with any server exporting vLLM's metric names. Ctrl-C quits.")
-    add_top_args(tp)
-    tp.set_defaults(func=_lazy("tokenmill.monitor.top", "cmd_top"))
+    _command(sub, "top", "live terminal view of a running server (tokenmill's or vLLM's /metrics)",
+             "Read a server's /metrics every --interval seconds and show requests running and waiting, KV-cache "
+             "use, tokens/s, TTFT and ITL percentiles (from the histograms' deltas) and, from tokenmill, device busy "
+             "and roofline use. Works with any server exporting vLLM's metric names. Ctrl-C quits.",
+             add_top_args, "tokenmill.monitor.top", "cmd_top")
     return p
 
 
