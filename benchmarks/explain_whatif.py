@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 KEY = "whatif"
+MEASURE = "server"  # whose TTFT and gaps are compared: the server's timelines, or this client's
 
 
 def workload(n: int, rate: float, seed: int) -> list[dict]:
@@ -81,6 +82,11 @@ def run(port: int, reqs: list[dict]) -> dict[int, dict]:
         th.start()
     for th in threads:
         th.join()
+    for res in results.values():  # the server's own measurement: arrival to each output going out
+        t = httpx.get(f"{url}/v1/requests/{res['id']}/timeline", headers=headers).json()
+        res["client"] = {"ttft_s": res["ttft_s"], "itl_s": res["itl_s"]}
+        if MEASURE == "server":
+            res["ttft_s"], res["itl_s"] = t["ttft_s"], t["output_gaps_s"]
     return results
 
 
@@ -99,8 +105,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--targets", type=int, default=5, help="requests of the first run to explain")
     ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--measure", choices=["server", "client"], default="server",
+                    help="compare with the server's measurement of the rerun (its request timelines: arrival to "
+                         "each output going out; default) or this client's (which adds its own send and receive)")
     ap.add_argument("--json", help="also write the figures here")
     a = ap.parse_args()
+    global MEASURE
+    MEASURE = a.measure
     sys.path.insert(0, os.getcwd())
     from tokenmill.sim.explain import explain
 
@@ -133,7 +144,7 @@ def main() -> None:
                      "predicted": predicted, "rerun": rerun, "cost_model_error": got["cost_model_error"]})
     keys = ("ttft_s", "window_ttft_p50_s", "window_itl_p99_s")
     print(f"budget {a.budget} served, what-if {a.what_if_budget} predicted by `tokenmill explain`, then rerun "
-          f"({a.requests} requests at {a.rate:g}/s, seed {a.seed})")
+          f"({a.requests} requests at {a.rate:g}/s, seed {a.seed}; measured by the {a.measure})")
     print(f"{'target':>6} {'reqs':>4}  " + "  ".join(f"{k:>34}" for k in keys))
     for r in rows:
         cells = []

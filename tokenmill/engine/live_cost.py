@@ -32,7 +32,7 @@ class LiveCostModel:
         self.refit, self.min_steps = refit, min_steps
         self.shapes: deque[StepShape] = deque(maxlen=window)
         self.cycles: deque[float] = deque(maxlen=window)
-        self.errors: deque[float] = deque(maxlen=error_window)  # (predicted - observed) / observed
+        self.errors: deque[tuple[float, float]] = deque(maxlen=error_window)  # (predicted, observed) seconds
         self.model: CalibratedCost | None = None
         self.num_fitted = 0  # steps the current model was fitted on
         self.num_steps = 0
@@ -63,7 +63,7 @@ class LiveCostModel:
     def _observe(self, shape: StepShape, cycle: float) -> None:
         with self._lock:
             if self.model is not None:
-                self.errors.append((self.model(shape) - cycle) / cycle)
+                self.errors.append((self.model(shape), cycle))
             self.shapes.append(shape)
             self.cycles.append(cycle)
             self.num_steps += 1
@@ -76,15 +76,19 @@ class LiveCostModel:
 
     @property
     def error(self) -> float:
-        """Mean absolute relative error of the recent out-of-sample predictions (NaN before any)."""
+        """The recent out-of-sample predictions' absolute errors as a share of the time they predicted:
+        sum |predicted - observed| / sum observed (NaN before any). A share of time rather than a mean of
+        per-step ratios, so a step of a millisecond cannot swamp it."""
         with self._lock:
-            return sum(abs(e) for e in self.errors) / len(self.errors) if self.errors else math.nan
+            seen = sum(o for _, o in self.errors)
+            return sum(abs(p - o) for p, o in self.errors) / seen if seen > 0 else math.nan
 
     @property
     def bias(self) -> float:
-        """Mean signed relative error: above 0 the model predicts slower steps than the server runs."""
+        """The same, signed: above 0 the model predicts slower steps than the server runs."""
         with self._lock:
-            return sum(self.errors) / len(self.errors) if self.errors else math.nan
+            seen = sum(o for _, o in self.errors)
+            return sum(p - o for p, o in self.errors) / seen if seen > 0 else math.nan
 
     def describe(self) -> dict:
         """The fitted model as `tokenmill profile` writes one (kind, features, coef) and its error."""

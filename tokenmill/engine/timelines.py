@@ -124,7 +124,7 @@ class TimelineRecorder:
         """What a replay of the request's time needs (``tokenmill explain``): every kept request that arrived
         from the first arrival among those in flight with it to its end, each with its arrival (seconds
         after that first one), its prompt, cached and output tokens and its measured TTFT and gaps between
-        outputs. None if the request is not kept."""
+        outputs, and the front end's part of its TTFT. None if the request is not kept."""
         with self._lock:
             tl = self._timelines.get(request_id)
             if tl is None:
@@ -135,16 +135,23 @@ class TimelineRecorder:
             start = min(x.arrival for x in beside)
             members = sorted((x for x in self._timelines.values() if start <= x.arrival <= end),
                              key=lambda x: x.arrival)
+            by_number = {s.number: s for s in self._steps}
             rows = []
             for x in members:
                 times = [t for t, _ in x.outputs]
+                steps = [by_number[n] for n in x.steps if n in by_number]
+                first_out = next((s for s in steps if any(e[0] == x.request_id and e[4] for e in s.requests)), None)
                 rows.append({"request_id": x.request_id, "arrival_s": x.arrival - start,
                              "prompt_tokens": x.prompt_tokens, "cached_tokens": max(x.cached_tokens, 0),
                              "output_tokens": x.outputs[-1][1] if x.outputs else 0,
                              "finished": x.finished is not None,
                              "ttft_s": None if x.first_token is None else x.first_token - x.arrival,
                              "e2e_s": None if x.finished is None else x.finished - x.arrival,
-                             "itl_s": [b - a for a, b in zip(times, times[1:])]})
+                             "itl_s": [b - a for a, b in zip(times, times[1:])],
+                             # the front end's part: arrival to its first step, its first token's step to out
+                             "to_first_step_s": steps[0].start - x.arrival if steps else None,
+                             "out_after_step_s": (x.first_token - first_out.end
+                                                  if first_out is not None and x.first_token is not None else None)})
         return {"request_id": request_id, "requests": rows}
 
 
@@ -176,7 +183,8 @@ def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) 
     out = {"request_id": tl.request_id, "status": status, "prompt_tokens": tl.prompt_tokens,
            "cached_tokens": max(tl.cached_tokens, 0), "output_tokens": tl.outputs[-1][1] if tl.outputs else 0,
            "num_preemptions": len(tl.preemptions), "ttft_s": None if first is None else first - t0,
-           "e2e_s": None if tl.finished is None else tl.finished - t0, "events": events}
+           "e2e_s": None if tl.finished is None else tl.finished - t0,
+           "output_gaps_s": [b[0] - a[0] for a, b in zip(tl.outputs, tl.outputs[1:])], "events": events}
     missing = [n for n in tl.steps if kept_from is None or n < kept_from]
     if missing:
         out["note"] = f"{len(missing)} of its steps are no longer kept (the step ring keeps the most recent)"

@@ -60,10 +60,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     live_cost = LiveCostModel()  # the simulator's cost model fitted on the served steps, and its error
     engine.observers.append(live_cost)
     metrics.add_gauge("tokenmill:step_time_prediction_error",
-                      "Mean absolute relative error of the live-fitted step-cost model's out-of-sample predictions "
-                      "of the last 200 steps' cycles (NaN until it has fitted 50 steps).", lambda: live_cost.error)
+                      "The live-fitted step-cost model's out-of-sample prediction error over the last 200 steps: "
+                      "sum |predicted - observed| / sum observed cycle time (NaN until it has fitted 50 steps).",
+                      lambda: live_cost.error)
     metrics.add_gauge("tokenmill:step_time_prediction_bias",
-                      "Mean signed relative error of the same predictions (above 0: it predicts slower steps).",
+                      "The same, signed: sum (predicted - observed) / sum observed (above 0: it predicts slower).",
                       lambda: live_cost.bias)
     timelines = None
     if config.request_timelines:

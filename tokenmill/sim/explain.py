@@ -66,13 +66,22 @@ def replay(window: dict, engine: dict, seed: int = 0) -> dict[str, dict]:
         ids = head[:c] + rng.integers(30000, 60000, max(n - c, 1)).tolist()
         reqs.append(SampleRequest("", len(ids), max(r["output_tokens"], 1), prompt_ids=ids))
     sim = Simulator(cost, sched, engine["num_blocks"], engine["block_size"], engine["max_model_len"],
-                    engine["enable_prefix_caching"])
+                    engine["enable_prefix_caching"], request_overhead_s=front_end_overhead(rows))
     result = sim.run(reqs, [r["arrival_s"] for r in rows], seed)
     out = {}
     for r, res in zip(rows, sorted(result.results, key=lambda x: x.index)):
         if res.success:
             out[r["request_id"]] = {"ttft_s": res.ttft_s, "e2e_s": res.e2el_s, "itl_s": list(res.itl_s)}
     return out
+
+
+def front_end_overhead(rows: list[dict]) -> float:
+    """A request's time outside the engine's steps, as served: the quickest any request of the window got from
+    arrival to its first step (one that found the engine idle), plus the median time from the step that made
+    a first token to the token going out. The replay charges it to each request before it is scheduled."""
+    ins = [r["to_first_step_s"] for r in rows if r.get("to_first_step_s") is not None]
+    outs = [r["out_after_step_s"] for r in rows if r.get("out_after_step_s") is not None]
+    return max(0.0, (min(ins) if ins else 0.0) + (float(np.median(outs)) if outs else 0.0))
 
 
 def _p(values: list[float], q: float) -> float | None:
