@@ -80,7 +80,7 @@ def test_consumer_receives_only_what_its_prefix_cache_lacks():
 @pytest.mark.parametrize("recompute", [True, False])
 def test_a_failed_pull_recomputes_or_fails_and_frees_the_blocks(recompute):
     s = _scheduler()
-    s.recompute_failed_kv = recompute
+    s.remote_kv.recompute_failed = recompute
     s.add_request(_remote("a", list(range(9))))
     s.schedule()
     failed = s.kv_recv_done("a", "producer gone")

@@ -163,8 +163,8 @@ class Scheduler:
 
     def kv_recv_done(self, request_id: str, error: str | None = None) -> Request | None:
         """Consumer: the connector filled the request's blocks (error None) or could not. On success it runs
-        from its last prompt token; on failure it computes its prompt here (``recompute_failed_kv``) or
-        ends, aborted with the error: then it is returned, for the engine to report."""
+        from its last prompt token; on failure it computes its prompt here (``remote_kv.recompute_failed``)
+        or ends, aborted with the error: then it is returned, for the engine to report."""
         req = self.remote_kv.received(request_id, error)
         if req is None:
             return None
@@ -176,7 +176,7 @@ class Scheduler:
             else:
                 self.running.append(req)
             return None
-        if self.recompute_failed_kv:
+        if self.remote_kv.recompute_failed:
             req.kv_transfer = None
             req.status = RequestStatus.WAITING
             self.waiting.add_preempted(req)
@@ -184,15 +184,6 @@ class Scheduler:
         req.error = error
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
-
-    @property
-    def recompute_failed_kv(self) -> bool:
-        """A failed pull: compute the prompt here (False: fail the request)."""
-        return self.remote_kv.recompute_failed
-
-    @recompute_failed_kv.setter
-    def recompute_failed_kv(self, value: bool) -> None:
-        self.remote_kv.recompute_failed = value
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)

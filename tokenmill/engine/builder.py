@@ -199,4 +199,4 @@ class CoreBuilder:
                   f"kv {config.cache.kv_cache_dtype}|block "
                   f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
         self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
-        self.scheduler.recompute_failed_kv = config.kv_transfer.kv_load_failure_policy == "recompute"
+        self.scheduler.remote_kv.recompute_failed = config.kv_transfer.kv_load_failure_policy == "recompute"

@@ -200,7 +200,7 @@ class EngineCore:
                 continue
             if error:
                 logger.warning("KV transfer: the KV of %s did not arrive (%s); %s", rid, error,
-                               "computing its prompt here" if self.scheduler.recompute_failed_kv else "failing it")
+                               "computing its prompt here" if self.scheduler.remote_kv.recompute_failed else "failing it")
             failed = self.scheduler.kv_recv_done(rid, error)
             if failed is not None:
                 outputs.append(self._output(failed, ModelRunnerOutput({})))

@@ -108,13 +108,19 @@ class TimelineRecorder:
 
     # ---- readers (any thread) -------------------------------------------------------
 
+    def _end(self, tl: Timeline) -> float:
+        """Where the request's time ends so far: its finish, else the last step's end."""
+        if tl.finished is not None:
+            return tl.finished
+        return self._steps[-1].end if self._steps else tl.arrival
+
     def timeline(self, request_id: str) -> dict | None:
         """The request's timeline and blame as JSON-ready data; None if it is not among those kept."""
         with self._lock:
             tl = self._timelines.get(request_id)
             if tl is None:
                 return None
-            end = tl.finished if tl.finished is not None else (self._steps[-1].end if self._steps else tl.arrival)
+            end = self._end(tl)
             steps = [s for s in self._steps if s.end > tl.arrival and s.start < end]
             tl = Timeline(tl.request_id, tl.arrival, list(tl.steps), list(tl.preemptions), list(tl.outputs),
                           tl.prompt_tokens, tl.cached_tokens, tl.finished, tl.finish_reason)
@@ -129,7 +135,7 @@ class TimelineRecorder:
             tl = self._timelines.get(request_id)
             if tl is None:
                 return None
-            end = tl.finished if tl.finished is not None else (self._steps[-1].end if self._steps else tl.arrival)
+            end = self._end(tl)
             beside = [x for x in self._timelines.values()
                       if x.arrival <= end and (x.finished is None or x.finished >= tl.arrival)]
             start = min(x.arrival for x in beside)
