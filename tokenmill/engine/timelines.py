@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tokenmill.engine.blame import StepRecord, itl_blame, ttft_blame
 
 if TYPE_CHECKING:
+    from tokenmill.core.sched_output import KVTransferStats
     from tokenmill.engine.messages import StepStats
     from tokenmill.outputs import RequestOutput
 
@@ -32,6 +33,8 @@ class Timeline:
     arrival: float
     steps: list[int] = field(default_factory=list)  # the step numbers it took part in
     preemptions: list[tuple[int, str]] = field(default_factory=list)  # (step number, for whom)
+    # disaggregation: (the step that reported it, its KVTransferStats): a transfer ends between steps
+    kv_transfers: list[tuple[float, KVTransferStats]] = field(default_factory=list)
     outputs: list[tuple[float, int]] = field(default_factory=list)  # (when sent, output tokens so far)
     prompt_tokens: int = 0
     cached_tokens: int = -1  # where its first step started (-1: not scheduled yet)
@@ -86,9 +89,13 @@ class TimelineRecorder:
         pass
 
     def on_step(self, stats: StepStats) -> None:
-        if stats.requests is None:
-            return
         with self._lock:
+            for t in stats.kv_transfers or ():
+                tl = self._timelines.get(t.request_id)
+                if tl is not None:
+                    tl.kv_transfers.append((stats.start_time, t))
+            if stats.requests is None:
+                return
             rec = StepRecord(self._number, stats.start_time, stats.duration, stats.requests, stats.preempted or {})
             self._number += 1
             self._steps.append(rec)
@@ -122,8 +129,8 @@ class TimelineRecorder:
                 return None
             end = self._end(tl)
             steps = [s for s in self._steps if s.end > tl.arrival and s.start < end]
-            tl = Timeline(tl.request_id, tl.arrival, list(tl.steps), list(tl.preemptions), list(tl.outputs),
-                          tl.prompt_tokens, tl.cached_tokens, tl.finished, tl.finish_reason)
+            tl = Timeline(tl.request_id, tl.arrival, list(tl.steps), list(tl.preemptions), list(tl.kv_transfers),
+                          list(tl.outputs), tl.prompt_tokens, tl.cached_tokens, tl.finished, tl.finish_reason)
         return describe(tl, steps, self.itl_target_s)
 
     def window(self, request_id: str) -> dict | None:
@@ -180,6 +187,10 @@ def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) 
             why = preempted[s.number]
             events.append({"t": s.start - t0, "event": "preempted", "step": s.number,
                            "reason": "KV cache full", "needed_by": why})
+    for reported, t in tl.kv_transfers:  # it ended by the step that reported it
+        events.append({"t": reported - t.seconds - t0, "event": "kv_transfer", "direction": t.direction,
+                       "duration": t.seconds, "blocks": t.num_blocks, "bytes": t.num_bytes, "error": t.error})
+    events.sort(key=lambda e: e["t"])
     first = tl.first_token
     if first is not None:
         events.append({"t": first - t0, "event": "first_token"})

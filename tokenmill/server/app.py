@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.live_cost import LiveCostModel
 from tokenmill.engine.timelines import TimelineRecorder
+from tokenmill.engine.tracing import RequestTracer
 from tokenmill.engine.utilization import Nvml, ProcessCpu, UtilizationMeter
 from tokenmill.monitor.history import MetricsHistory
 from tokenmill.server.chat import ChatMixin
@@ -72,6 +73,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         target_ms = sched.itl_target_ms or sched.slo_tpot_ms
         timelines = TimelineRecorder(config.request_timelines, itl_target_s=target_ms / 1e3 if target_ms else None)
         engine.observers.append(timelines)
+    tracer = None
+    if config.otlp_traces_endpoint:  # the config checked that timelines are on
+        tracer = RequestTracer(config.otlp_traces_endpoint, timelines, serving.model_name)
+        engine.observers.append(tracer)  # after the timelines: a request's end is recorded before it is traced
+        serving.tracer = tracer
 
     history = MetricsHistory(metrics.registry.collect) if config.dashboard else None
 
@@ -84,9 +90,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
                 yield
         finally:
             await asyncio.to_thread(engine.shutdown, 30.0)
-            for obs in (metrics, timelines, live_cost):
+            for obs in (metrics, timelines, live_cost, tracer):
                 if obs is not None and obs in engine.observers:
                     engine.observers.remove(obs)
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)  # exports what finished
 
     app = FastAPI(title="tokenmill", version=_version(), lifespan=lifespan)
     app.state.serving = serving
@@ -95,6 +103,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.history = history
     app.state.timelines = timelines
     app.state.live_cost = live_cost
+    app.state.tracer = tracer
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:

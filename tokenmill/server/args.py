@@ -65,6 +65,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "inter-token gaps, for the in-flight requests and the last N finished ones: "
                         "GET /v1/requests/{id}/timeline (the response's id; same auth as the API). Default 1000; "
                         "0 turns it off")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export a trace per request to this OpenTelemetry collector over OTLP/HTTP (protobuf), e.g. "
+                        "http://localhost:4318/v1/traces (a base address gets /v1/traces added): a root llm_request "
+                        "span with vLLM's gen_ai.* attributes, a child of the caller's trace when the HTTP request "
+                        "carries traceparent, and child spans for the queue, each prefill chunk, the decode, each "
+                        "preemption and each KV transfer. Needs request timelines and pip install "
+                        "'tokenmill[tracing]'")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")

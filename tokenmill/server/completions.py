@@ -69,7 +69,7 @@ class CompletionsMixin:
                          kv_transfer_params=req.kv_transfer_params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
-                         stream=bool(req.stream))
+                         stream=bool(req.stream), headers=raw.headers)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,12 +13,14 @@ from fastapi.exceptions import RequestValidationError
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDeadError, EngineDrainingError, QueueFullError, RequestStream, SLOShedError
+from tokenmill.engine.tracing import traces_endpoint
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
 from tokenmill.server.logprobs import _TokenText
 from tokenmill.server.protocol import OpenAIError, bad_request
 from tokenmill.server.tools import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
+    from tokenmill.engine.tracing import RequestTracer
     from tokenmill.sampling_params import StructuredOutputsParams
     from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -44,10 +46,16 @@ class ServerConfig:
     restart_engine_core: bool = False  # instead: start a fresh engine core process and keep serving
     dashboard: bool = True  # /dashboard and the metrics history behind it (server/dashboard.py)
     request_timelines: int = 1000  # finished requests whose timelines are kept (engine/timelines.py); 0: off
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span tree per request (engine/tracing.py)
 
     def __post_init__(self) -> None:
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
+        if self.otlp_traces_endpoint is not None:
+            traces_endpoint(self.otlp_traces_endpoint)  # raises with what to give
+            if not self.request_timelines:
+                raise ValueError("--otlp-traces-endpoint builds each request's spans from its timeline: keep "
+                                 "--request-timelines above 0")
         if not 1 <= self.max_n:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -138,6 +146,7 @@ class ServingBase:
         self.token_text = _TokenText(self.tokenizer)
         # (code, seconds from the request's arrival to its refusal): set by build_app to the metrics' hook
         self.on_refused: Callable[[str, float], None] | None = None
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint: set by build_app
 
     def check_serving(self) -> None:
         if self.engine.error is not None:
@@ -232,10 +241,12 @@ class ServingBase:
                               f"{max_tokens_param} to at most {ctx - n}", max_tokens_param, "context_length_exceeded")
 
     async def start(self, prep: _Prepared, request_id: str, priority: int, arrival: float,
-                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, stream: bool = False) -> None:
+                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, stream: bool = False,
+                    headers: Mapping[str, str] | None = None) -> None:
         """Queue every prompt (all in the same engine pause); on any failure abort what was queued and
-        raise an OpenAIError."""
+        raise an OpenAIError. ``headers``: the HTTP request's (a caller's trace context)."""
         one = len(prep.prompt_ids) == 1
+        ids = [request_id] if one else [f"{request_id}-{i}" for i in range(len(prep.prompt_ids))]
         kv = {}
         if prep.kv_transfer_params is not None:
             if not one or prep.params.n != 1:
@@ -245,10 +256,13 @@ class ServingBase:
                 raise bad_request("a prefill for remote decode answers with kv_transfer_params in its body: send "
                                   "it with stream false", "stream")
             kv["kv_transfer_params"] = prep.kv_transfer_params
+        if self.tracer is not None:
+            for rid in ids:
+                self.tracer.announce(rid, arrival, headers or {}, prep.params)
         adds = [asyncio.ensure_future(self.engine.add_request(
-            ids, prep.params, request_id if one else f"{request_id}-{i}", priority, add_special_tokens=False,
-            arrival_time=arrival, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, **kv))
-            for i, ids in enumerate(prep.prompt_ids)]
+            prompt, prep.params, rid, priority, add_special_tokens=False, arrival_time=arrival,
+            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, **kv))
+            for rid, prompt in zip(ids, prep.prompt_ids)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except BaseException:  # cancelled (client gone): the adds abort themselves when cancelled
@@ -262,6 +276,9 @@ class ServingBase:
         if errors:
             for st in streams:
                 st.abort()
+            if self.tracer is not None:
+                for rid in ids:
+                    self.tracer.withdraw(rid)
             err = self._engine_error(errors[0], prep)
             if isinstance(errors[0], (QueueFullError, SLOShedError)) and self.on_refused is not None:
                 self.on_refused(err.code, time.perf_counter() - arrival)

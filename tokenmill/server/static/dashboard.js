@@ -192,6 +192,9 @@ async function showTimeline(id) {
                             e.t, e.t + e.duration, total, e.kind === "prefill" ? "tl-prefill" : "tl-decode"));
     } else if (e.event === "preempted") {
       rows.push(timelineRow("preempted for " + e.needed_by, e.reason, e.t, e.t, total, "tl-preempted tl-mark"));
+    } else if (e.event === "kv_transfer") {
+      rows.push(timelineRow("KV " + e.direction + ": " + e.blocks + " blocks", e.error || ms(e.duration),
+                            e.t, e.t + e.duration, total, "tl-kv"));
     } else if (e.event === "first_token" || e.event === "finished") {
       rows.push(timelineRow(e.event.replace("_", " ") + " at " + ms(e.t), e.reason || "", e.t, e.t, total, "tl-mark"));
     }
