@@ -97,12 +97,13 @@ def test_cost_models_import_only_the_config_and_platform():
     assert "tokenmill.perf.cost" in graph  # (the package is where this test looks)
 
 
-def test_only_the_command_line_imports_the_simulator():
-    """The engine starts without sim/: the simulator drives the engine's scheduler, not the other way."""
+def test_only_the_command_line_and_the_live_replay_import_the_simulator():
+    """The engine starts without sim/: the simulator drives the engine's scheduler, not the other way; the
+    server's live replay (server/live_replay.py) runs it on the served traffic."""
     graph = import_graph()
     users = sorted(m for m, deps in graph.items() if not m.startswith("tokenmill.sim")
                    and any(d.startswith("tokenmill.sim") for d in deps))
-    assert users == ["tokenmill.cli"]
+    assert users == ["tokenmill.cli", "tokenmill.server.live_replay"]
 
 
 # The packages from the bottom up: a module may import its own package and those in tiers below its own, never
@@ -121,9 +122,9 @@ PACKAGE_ORDER = [
     {"executor"},
     {"kv_transfer"},
     {"engine"},
-    {"server"},
     {"bench", "eval"},
-    {"sim"},
+    {"sim"},  # drives the engine's scheduler; the server replays its own traffic through it
+    {"server"},
     {"cli", "__init__"},
 ]
 

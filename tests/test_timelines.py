@@ -106,9 +106,11 @@ def served(llm_fp32):
     from tokenmill.server.serving import ServerConfig
 
     ae = AsyncEngine(llm_fp32.engine, max_waiting_requests=64, log_interval=None, log_requests=False)
-    srv = BackgroundServer(build_app(ae, ServerConfig(api_key=KEY, dashboard=False))).start()
+    app = build_app(ae, ServerConfig(api_key=KEY, dashboard=False, live_replay_interval=3600))
+    srv = BackgroundServer(app).start()
     with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
         http.model = http.get("/v1/models").json()["data"][0]["id"]
+        http.app = app
         yield http
     srv.stop(60)
 
@@ -251,3 +253,36 @@ def test_explain_replays_a_served_window_and_a_what_if(served, capsys):
     assert "replayed as served" in out and "with --max-num-seqs 1" in out and "its TTFT" in out
     a.request = "nope"
     assert cmd_explain(a) == 1 and "404" in capsys.readouterr().err
+
+
+def test_the_live_replay_predicts_the_served_ttft_and_tpot(served):
+    """The server's replay of its recent traffic (server/live_replay.py) on what the tests above served."""
+    from tokenmill.server.live_replay import compare
+    from tokenmill.sim.replay import replay
+
+    if not ITL_RUN:
+        pytest.skip("replays the traffic of the tests above")
+    live = served.app.state.live_replay
+    got: dict = {}
+    threads = [threading.Thread(target=_complete, args=(served, f"Tell me about the number {i}.", 24, got, str(i)))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    got = live.run_once()
+    assert got is not None and got["requests"] >= 5, got
+    # (the accuracy is measured in BENCHMARKS.md; a shared machine only allows the order here)
+    assert 0.3 < got["predicted_ttft_s"] / got["observed_ttft_s"] < 3, got
+    assert 0.3 < got["predicted_tpot_s"] / got["observed_tpot_s"] < 3, got
+    assert live.run_once() is None  # nothing new finished: no second replay
+    text = served.get("/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("tokenmill:replay_predicted_tpot_seconds{"))
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx(got["predicted_tpot_s"])
+    # negative control: a cost model ten times slower predicts ten times the TPOT
+    rows = live.timelines.recent(200)
+    doc = live.live_cost.describe()
+    slow = compare(rows, replay({"requests": rows, "cost_model": {**doc, "coef": [10 * c for c in doc["coef"]]}},
+                                live.engine_settings()))
+    assert slow["predicted_tpot_s"] > 5 * got["predicted_tpot_s"], (slow, got)

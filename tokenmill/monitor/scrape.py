@@ -25,6 +25,12 @@ GAUGES = {
     "peak_flops": ("tokenmill:device_peak_flops_per_second",),
     "peak_bandwidth": ("tokenmill:device_peak_bytes_per_second",),
     "engine_cpus": ("tokenmill:engine_cpus",),
+    # the simulator checking itself live (server/live_replay.py, engine/live_cost.py): NaN until it has
+    "step_prediction_error": ("tokenmill:step_time_prediction_error",),
+    "replay_ttft_predicted": ("tokenmill:replay_predicted_ttft_seconds",),
+    "replay_ttft_observed": ("tokenmill:replay_observed_ttft_seconds",),
+    "replay_tpot_predicted": ("tokenmill:replay_predicted_tpot_seconds",),
+    "replay_tpot_observed": ("tokenmill:replay_observed_tpot_seconds",),
 }
 COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens_total",),
@@ -181,6 +187,10 @@ def frame(cur: Scrape, rate_base: Scrape | None, window_base: Scrape | None) -> 
     out: dict[str, float | None] = {"time": cur.time}
     for key in ("running", "waiting", "kv_usage", "gpu_utilization"):
         out[key] = cur.get(key)
+    for key in ("step_prediction_error", "replay_ttft_predicted", "replay_ttft_observed", "replay_tpot_predicted",
+                "replay_tpot_observed"):
+        v = cur.get(key)
+        out[key] = None if v is None or math.isnan(v) else v
     out["prompt_tps"] = counter_rate("prompt_tokens")
     out["generation_tps"] = counter_rate("generation_tokens")
     out["finished_per_s"] = counter_rate("finished")

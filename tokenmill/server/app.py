@@ -29,6 +29,7 @@ from tokenmill.monitor.history import MetricsHistory
 from tokenmill.server.chat import ChatMixin
 from tokenmill.server.completions import CompletionsMixin
 from tokenmill.server.dashboard import add_dashboard, sampling
+from tokenmill.server.live_replay import LiveReplay
 from tokenmill.server.logprobs import LogprobsMixin
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import AuthMiddleware, BodyLimitMiddleware
@@ -73,6 +74,17 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         target_ms = sched.itl_target_ms or sched.slo_tpot_ms
         timelines = TimelineRecorder(config.request_timelines, itl_target_s=target_ms / 1e3 if target_ms else None)
         engine.observers.append(timelines)
+    replayer = None
+    if timelines is not None and config.live_replay_interval:
+        replayer = LiveReplay(timelines, live_cost, lambda: engine_settings(engine), config.live_replay_interval)
+        for which in ("predicted", "observed"):
+            for what, means in (("ttft", "time to first token"), ("tpot", "time per output token after the first")):
+                metrics.add_gauge(f"tokenmill:replay_{which}_{what}_seconds",
+                                  f"Mean {means} of the last 200 finished requests, {which}"
+                                  + (" by replaying their arrivals through the simulator with the live-fitted "
+                                     "step-cost model" if which == "predicted" else " as served")
+                                  + " (--live-replay-interval; NaN until the first replay).",
+                                  lambda k=f"{which}_{what}_s": replayer.value(k))
     tracer = None
     if config.otlp_traces_endpoint:  # the config checked that timelines are on
         tracer = RequestTracer(config.otlp_traces_endpoint, timelines, serving.model_name)
@@ -84,11 +96,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if replayer is not None:
+            replayer.start()
         logger.info("serving %s (context %d tokens)", serving.model_name, serving.max_model_len)
         try:
             async with sampling(history):
                 yield
         finally:
+            if replayer is not None:
+                await asyncio.to_thread(replayer.stop)
             await asyncio.to_thread(engine.shutdown, 30.0)
             for obs in (metrics, timelines, live_cost, tracer):
                 if obs is not None and obs in engine.observers:
@@ -104,6 +120,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.timelines = timelines
     app.state.live_cost = live_cost
     app.state.tracer = tracer
+    app.state.live_replay = replayer
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -168,10 +185,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         if found is None:
             raise OpenAIError(404, f"no timeline for request {request_id!r}", param="request_id",
                               code="request_not_found")
-        info = engine.engine.info
-        found["engine"] = {"scheduler": dataclasses.asdict(info.config.scheduler), "num_blocks": info.num_blocks,
-                           "block_size": info.block_size, "max_model_len": info.max_model_len,
-                           "enable_prefix_caching": info.config.cache.enable_prefix_caching}
+        found["engine"] = engine_settings(engine)
         found["cost_model"] = live_cost.describe()
         return json_response(found)
 
@@ -204,6 +218,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     if config.api_key:
         app.add_middleware(AuthMiddleware, api_key=config.api_key)  # outermost: auth before anything else
     return app
+
+
+def engine_settings(engine: AsyncEngine) -> dict:
+    """What a replay of the served traffic schedules with: the scheduler's settings and the KV pool."""
+    info = engine.engine.info
+    return {"scheduler": dataclasses.asdict(info.config.scheduler), "num_blocks": info.num_blocks,
+            "block_size": info.block_size, "max_model_len": info.max_model_len,
+            "enable_prefix_caching": info.config.cache.enable_prefix_caching}
 
 
 def _version() -> str:

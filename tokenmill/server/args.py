@@ -65,6 +65,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "inter-token gaps, for the in-flight requests and the last N finished ones: "
                         "GET /v1/requests/{id}/timeline (the response's id; same auth as the API). Default 1000; "
                         "0 turns it off")
+    g.add_argument("--live-replay-interval", type=float, default=60.0, metavar="SECONDS",
+                   help="every this many seconds, replay the last 200 finished requests' arrivals and lengths "
+                        "through the simulator with the step-cost model fitted on the served steps, and publish "
+                        "its mean TTFT and TPOT beside the measured ones (tokenmill:replay_*_seconds on /metrics "
+                        "and the dashboard): the simulator checking itself live. Needs request timelines. "
+                        "Default 60; 0 turns it off")
     g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export a trace per request to this OpenTelemetry collector over OTLP/HTTP (protobuf), e.g. "
                         "http://localhost:4318/v1/traces (a base address gets /v1/traces added): a root llm_request "

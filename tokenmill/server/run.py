@@ -205,7 +205,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                         drain_timeout=a.drain_timeout,
                         tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death,
                         restart_engine_core=a.restart_engine_core, dashboard=a.dashboard,
-                        request_timelines=a.request_timelines, otlp_traces_endpoint=a.otlp_traces_endpoint)
+                        request_timelines=a.request_timelines, otlp_traces_endpoint=a.otlp_traces_endpoint,
+                        live_replay_interval=a.live_replay_interval)
 
 
 def serve_args(llm_engine: LLMEngine, a: argparse.Namespace) -> int:

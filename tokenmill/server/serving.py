@@ -47,10 +47,14 @@ class ServerConfig:
     dashboard: bool = True  # /dashboard and the metrics history behind it (server/dashboard.py)
     request_timelines: int = 1000  # finished requests whose timelines are kept (engine/timelines.py); 0: off
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span tree per request (engine/tracing.py)
+    live_replay_interval: float = 60.0  # seconds between replays of the recent traffic (server/live_replay.py); 0: off
 
     def __post_init__(self) -> None:
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
+        if not self.live_replay_interval >= 0:
+            raise ValueError(f"--live-replay-interval must be >= 0 seconds (0 turns it off), got "
+                             f"{self.live_replay_interval}")
         if self.otlp_traces_endpoint is not None:
             traces_endpoint(self.otlp_traces_endpoint)  # raises with what to give
             if not self.request_timelines:

@@ -21,6 +21,11 @@ const CHARTS = [
    series: [["device_busy", "device busy", 100], ["flops_utilization", "of peak FLOP/s", 100],
             ["bandwidth_utilization", "of peak bandwidth", 100], ["engine_cpu_utilization", "engine CPU", 100],
             ["gpu_utilization", "GPU (NVML)", 100, true]]},
+  {id: "simcheck", title: "The simulator against the served traffic (ms; step error %)", unit: "",
+   onlyIf: "replay_ttft_predicted",
+   series: [["replay_ttft_observed", "TTFT served", 1000], ["replay_ttft_predicted", "TTFT replayed", 1000],
+            ["replay_tpot_observed", "TPOT served", 1000], ["replay_tpot_predicted", "TPOT replayed", 1000],
+            ["step_prediction_error", "step-time error %", 100]]},
   {id: "spec", title: "Speculative decoding acceptance (%)", unit: "%", onlyIf: "spec_acceptance",
    series: [["spec_acceptance", "acceptance rate", 100]]},
 ];
