@@ -398,6 +398,14 @@ def test_cli_answers_and_errors(tmp_path, capsys):
                         "ttft:500", "tpot:50"]) == 0
     text = capsys.readouterr().out
     assert "== A:" in text and "== B:" in text and "L4" in text
+    # --save-result: bench serve's (vLLM's flat) layout, which the scripts for measured results read
+    assert main(base + ["--hardware", "h100", "--request-rate", "4", "--save-result", str(tmp_path / "r.json"),
+                        "--compare", "--hardware l4"]) == 0
+    a_doc, b_doc = (json.loads((tmp_path / f"r-{k}.json").read_text()) for k in "AB")
+    assert a_doc["backend"] == "tokenmill-simulate" and a_doc["simulated"]["hardware"] == "h100"
+    assert len(a_doc["ttfts"]) == a_doc["completed"] == 50 and a_doc["mean_ttft_ms"] > 0
+    assert b_doc["simulated"]["hardware"] == "l4" and b_doc["mean_tpot_ms"] > a_doc["mean_tpot_ms"]  # L4 is slower
+    capsys.readouterr()
     assert main(base + ["--hardware", "h100", "--slo", "ttft:0.001"]) == 0
     assert "no rate meets the SLOs" in capsys.readouterr().out
     assert main(base + ["--hardware", "h100", "--request-overhead-ms", "5", "5", "5"]) == 2

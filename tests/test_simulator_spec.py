@@ -175,7 +175,7 @@ def test_a_draft_model_catches_up_as_the_engines_does():
 # ---- end to end ---------------------------------------------------------------------------------------
 
 def build_args(tmp_path, *flags: str) -> argparse.Namespace:
-    from tokenmill.sim.cli import add_simulate_args
+    from tokenmill.sim.args import add_simulate_args
 
     (tmp_path / "l8").mkdir(exist_ok=True)
     (tmp_path / "l1").mkdir(exist_ok=True)
@@ -264,7 +264,7 @@ def test_a_calibrated_profile_prices_the_drafter_by_weight_bytes(tmp_path):
 def test_cli_flags_are_serves_and_bad_ones_are_refused(tmp_path, capsys):
     from tokenmill.cli import main
     from tokenmill.engine.arg_utils import add_engine_args
-    from tokenmill.sim.cli import add_simulate_args
+    from tokenmill.sim.args import add_simulate_args
 
     serve, sim = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_engine_args(serve)

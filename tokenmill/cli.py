@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ep)
     ep.set_defaults(func=_lazy("tokenmill.eval", "cmd_perplexity"))
 
-    from tokenmill.sim.cli import add_simulate_args
+    from tokenmill.sim.args import add_simulate_args
 
     sm = sub.add_parser("simulate", help="how many users given hardware supports: the real scheduler against a "
                                          "cost model",
