@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from tokenmill.perf.step_cost import StepShape
 
 
+# Served traffic often has one shape (every decode step one token and one row sampled a request): a small ridge
+# gives the time those terms share to the constant (perf/step_cost.py), so a what-if with other shapes
+# (speculation's multi-token decodes, other budgets) is not priced on an arbitrary split.
+RIDGE = 1e-3
+
+
 class LiveCostModel:
     """An engine observer (on the engine thread); ``error`` and ``describe`` may be read from any thread."""
 
@@ -69,7 +75,7 @@ class LiveCostModel:
             self.num_steps += 1
             self._since_fit += 1
             if len(self.shapes) >= self.min_steps and (self.model is None or self._since_fit >= self.refit):
-                self.model = CalibratedCost.fit(list(self.shapes), list(self.cycles), {"source": "live"})
+                self.model = CalibratedCost.fit(list(self.shapes), list(self.cycles), {"source": "live"}, ridge=RIDGE)
                 self.num_fitted, self._since_fit = len(self.shapes), 0
 
     # ---- readers ---------------------------------------------------------------------

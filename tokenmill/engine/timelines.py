@@ -167,7 +167,10 @@ class TimelineRecorder:
             times = [t for t, _ in x.outputs]
             steps = [by_number[n] for n in x.steps if n in by_number]
             first_out = next((s for s in steps if any(e[0] == x.request_id and e[4] for e in s.requests)), None)
+            drafted = [e for s in steps for e in s.requests if e[0] == x.request_id and e[3]]
             rows.append({"request_id": x.request_id, "arrival_s": x.arrival - start,
+                         # speculative decoding: drafts verified, and accepted (all it emitted but the target's own)
+                         "drafts": sum(e[3] for e in drafted), "accepted": sum(max(e[4] - 1, 0) for e in drafted),
                          "prompt_tokens": x.prompt_tokens, "cached_tokens": max(x.cached_tokens, 0),
                          "output_tokens": x.outputs[-1][1] if x.outputs else 0,
                          "finished": x.finished is not None, "before": x.arrival < t0,

@@ -76,13 +76,22 @@ class CalibratedCost:
 
     @classmethod
     def fit(cls, shapes: list[StepShape], seconds: list[float], meta: dict | None = None,
-            weights: list[float] | None = None) -> "CalibratedCost":
-        """Least squares of the relative error, each step's squared error times its weight (default 1)."""
+            weights: list[float] | None = None, ridge: float = 0.0) -> "CalibratedCost":
+        """Least squares of the relative error, each step's squared error times its weight (default 1).
+        ``ridge`` > 0 adds a small penalty on the per-token terms (each column scaled to unit size): where the
+        steps cannot tell terms apart (served traffic of one shape: every decode step one token, one row
+        sampled), the shared time goes to the constant instead of an arbitrary split that would price
+        other shapes wrong."""
         x, y = np.asarray([features(s) for s in shapes]), np.asarray(seconds)
         # Relative error is what planning feels (a 5 ms decode step predicted at 20 ms is as wrong as a
         # 500 ms chunk predicted at 2 s), so each step's row is weighted by 1 / its time.
         w = np.sqrt(np.asarray(weights, dtype=float)) if weights is not None else np.ones_like(y)
         x, y = x * (w / y)[:, None], w
+        if ridge > 0:
+            scale = np.sqrt((x[:, 1:] ** 2).mean(axis=0))
+            penalty = np.zeros((x.shape[1] - 1, x.shape[1]))
+            penalty[:, 1:] = np.diag(np.sqrt(ridge * len(y)) * np.where(scale > 0, scale, 1.0))
+            x, y = np.vstack([x, penalty]), np.concatenate([y, np.zeros(len(penalty))])
         # least squares with no negative per-token cost: a term that comes out negative is dropped and
         # the rest refitted (an active set), so "where the time goes" never reads below zero
         active = list(range(x.shape[1]))

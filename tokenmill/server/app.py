@@ -225,7 +225,9 @@ def engine_settings(engine: AsyncEngine) -> dict:
     info = engine.engine.info
     return {"scheduler": dataclasses.asdict(info.config.scheduler), "num_blocks": info.num_blocks,
             "block_size": info.block_size, "max_model_len": info.max_model_len,
-            "enable_prefix_caching": info.config.cache.enable_prefix_caching}
+            "enable_prefix_caching": info.config.cache.enable_prefix_caching,
+            "speculative": {"method": info.config.speculative.speculative_method,
+                            "k": info.config.speculative.num_speculative_tokens}}
 
 
 def _version() -> str:

@@ -39,10 +39,33 @@ def changed_settings(engine: dict, flags: str) -> tuple[dict, str]:
         v = getattr(a, flag)
         if v is not None:
             sched[field] = v
-    out = {**engine, "scheduler": sched}
+    out = {**engine, "scheduler": sched, "speculative": what_if_speculation(engine.get("speculative") or {}, a)}
     if a.kv_blocks is not None:
         out["num_blocks"] = a.kv_blocks
     return out, flags
+
+
+def what_if_speculation(served: dict, a: argparse.Namespace) -> dict:
+    """Speculative decoding with the what-if's flags over the served settings."""
+    spec = dict(served)
+    if a.speculative_method is not None:
+        spec["method"] = None if a.speculative_method == "off" else a.speculative_method
+    for flag, key in (("num_speculative_tokens", "k"), ("speculative_acceptance_rate", "acceptance"),
+                      ("speculative_draft_cost", "draft_cost")):
+        if getattr(a, flag) is not None:
+            spec[key] = getattr(a, flag)
+    if spec.get("method") is None:
+        return spec
+    spec.setdefault("k", 3)
+    if spec["k"] < 1:
+        raise ValueError(f"--num-speculative-tokens must be positive, got {spec['k']}")
+    if spec.get("acceptance") is not None and not 0 <= spec["acceptance"] <= 1:
+        raise ValueError(f"--speculative-acceptance-rate is a probability in [0, 1], got {spec['acceptance']}")
+    if spec["method"] == "draft" and served.get("method") != "draft" and not spec.get("draft_cost"):
+        raise ValueError("a draft model the server did not run needs --speculative-draft-cost: its pass's time "
+                         "as a share of a target step's of the same shape (about its weight bytes over the "
+                         "target's, e.g. 0.15)")
+    return spec
 
 
 def _p(values: list[float], q: float) -> float | None:

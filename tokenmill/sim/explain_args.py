@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 WHAT_IF_FLAGS = ("--max-num-batched-tokens", "--max-num-seqs", "--[no-]enable-chunked-prefill",
-                 "--scheduling-policy", "--itl-target-ms", "--slo-ttft-ms", "--slo-tpot-ms", "--kv-blocks")
+                 "--scheduling-policy", "--itl-target-ms", "--slo-ttft-ms", "--slo-tpot-ms", "--kv-blocks",
+                 "--speculative-method", "--num-speculative-tokens", "--speculative-acceptance-rate",
+                 "--speculative-draft-cost")
 
 
 def add_explain_args(p: argparse.ArgumentParser) -> None:
@@ -28,4 +30,8 @@ def what_if_parser() -> argparse.ArgumentParser:
     w.add_argument("--slo-ttft-ms", type=float)
     w.add_argument("--slo-tpot-ms", type=float)
     w.add_argument("--kv-blocks", type=int)
+    w.add_argument("--speculative-method", choices=["ngram", "draft", "off"])
+    w.add_argument("--num-speculative-tokens", type=int)
+    w.add_argument("--speculative-acceptance-rate", type=float)  # per draft; default: measured, else 0.8
+    w.add_argument("--speculative-draft-cost", type=float)  # a draft pass over a target step of the same shape
     return w

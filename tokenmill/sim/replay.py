@@ -11,8 +11,10 @@ import numpy as np
 
 from tokenmill.bench.datasets import SampleRequest
 from tokenmill.config import SchedulerConfig
+from tokenmill.perf.cost import ScaledCost
 from tokenmill.perf.step_cost import FEATURES, CalibratedCost
 from tokenmill.sim.simulator import Simulator
+from tokenmill.sim.spec import DEFAULT_ACCEPTANCE, SpecDecoding
 
 
 def replay(window: dict, engine: dict, seed: int = 0) -> dict[str, dict]:
@@ -33,13 +35,42 @@ def replay(window: dict, engine: dict, seed: int = 0) -> dict[str, dict]:
         ids = head[:c] + rng.integers(30000, 60000, max(n - c, 1)).tolist()
         reqs.append(SampleRequest("", len(ids), max(r["output_tokens"], 1), prompt_ids=ids))
     sim = Simulator(cost, sched, engine["num_blocks"], engine["block_size"], engine["max_model_len"],
-                    engine["enable_prefix_caching"], request_overhead_s=front_end_overhead(rows))
+                    engine["enable_prefix_caching"], request_overhead_s=front_end_overhead(rows),
+                    spec=speculation(engine.get("speculative"), rows, cost))
     result = sim.run(reqs, [r["arrival_s"] for r in rows], seed)
     out = {}
     for r, res in zip(rows, sorted(result.results, key=lambda x: x.index)):
         if res.success:
             out[r["request_id"]] = {"ttft_s": res.ttft_s, "e2e_s": res.e2el_s, "itl_s": list(res.itl_s)}
     return out
+
+
+def speculation(spec: dict | None, rows: list[dict], cost: CalibratedCost) -> SpecDecoding | None:
+    """Speculative decoding as served or asked (``{"method", "k"}`` and optionally ``acceptance``, the
+    per-draft probability, and ``draft_cost``); None when off. The acceptance defaults to what the window's
+    requests measured (when they drafted), else the simulator's default. A served draft model's passes are
+    inside the steps the cost model was fitted on, so they cost nothing more; a draft model the server did
+    not run costs ``draft_cost`` times a target step of the same shape."""
+    if not spec or not spec.get("method"):
+        return None
+    k = int(spec["k"])
+    acceptance = spec.get("acceptance")
+    if acceptance is None:
+        drafts = sum(r.get("drafts", 0) for r in rows)
+        rate = sum(r.get("accepted", 0) for r in rows) / drafts if drafts else None
+        acceptance = per_draft_acceptance(rate, k) if rate is not None else DEFAULT_ACCEPTANCE
+    drafter = ScaledCost(cost, spec["draft_cost"]) if spec.get("draft_cost") else None
+    return SpecDecoding(spec["method"], k, acceptance, drafter)
+
+
+def per_draft_acceptance(rate: float, k: int) -> float:
+    """The per-draft probability A whose drafts, each accepted while the ones before were, give acceptance
+    ``rate`` (accepted / drafted, vLLM's) at k drafts: (A + A^2 + ... + A^k) / k = rate, by bisection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** i for i in range(1, k + 1)) / k < rate else (lo, a)
+    return (lo + hi) / 2
 
 
 def front_end_overhead(rows: list[dict]) -> float:
