@@ -67,3 +67,5 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: logprob}
     # holding that prompt token and the top-n after the tokens before it
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens its first sequence found in the prefix cache (the prefix-cache hits counted for it)
+    num_cached_tokens: int = 0

@@ -67,6 +67,9 @@ class Request:
     # {"do_remote_prefill": True, "remote_host", "remote_port", "remote_request_id"} on a consumer
     kv_transfer: dict | None = None
     error: str | None = None  # why the engine ended it (reported with its abort)
+    cache_salt: str | None = None  # its own prefix-cache salt: shares blocks only with the same salt
+    # prompt tokens found in the prefix cache at its first admission (-1: not admitted yet), vLLM's name
+    num_cached_tokens: int = -1
 
     def __post_init__(self) -> None:
         if not self.timings.arrival:

@@ -5,7 +5,9 @@ block ids a request owns.
 
 Prefix caching: once a block is full, it is registered under a chained hash of
 (the parent block's hash, its token ids), seeded with the engine's cache salt (model,
-dtype, quantization: anything that changes the KV). A new request takes every cached
+dtype, quantization: anything that changes the KV), and for a request with its own cache_salt
+(vLLM's multi-tenant field) by that too, so requests with different salts never share a block. A
+new request takes every cached
 block of its longest cached prefix (reference count up) and computes only the rest. A
 block whose count falls to zero keeps its hash and stays in the free queue: it is evicted,
 least recently used first, only when an allocation needs it.
@@ -134,6 +136,9 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_salt = hashlib.sha256(cache_salt).digest()
+        # per request: its own cache_salt's seed for its first block (the scheduler sets and drops it); the
+        # whole chain hangs off the first block's hash, so a different salt shares no block at all
+        self.request_salts: dict[str, bytes] = {}
         self.stats = PrefixCacheStats()
         self._hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks so far
         self._num_registered: dict[str, int] = {}  # per request: leading table blocks already in the map
@@ -162,8 +167,21 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else self.cache_salt, token_ids[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else self.request_salts.get(request_id, self.cache_salt)
+            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs]))
         return hashes
+
+    def set_request_salt(self, request_id: str, salt: str | None) -> None:
+        """Salt the request's block hashes with its own ``salt`` (None: the engine's salt alone). Kept until
+        ``drop_request_salt``: a preempted request hashes its blocks again when it is readmitted."""
+        if salt is None:
+            self.request_salts.pop(request_id, None)
+        else:
+            self.request_salts[request_id] = hashlib.sha256(self.cache_salt + b"\0" + salt.encode()).digest()
+        self._hashes.pop(request_id, None)
+
+    def drop_request_salt(self, request_id: str) -> None:
+        self.request_salts.pop(request_id, None)
 
     def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[int]:
         """Cached blocks of the longest cached prefix of ``token_ids``, leaving at least one

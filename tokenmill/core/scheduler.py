@@ -106,6 +106,8 @@ class Scheduler:
         if request.request_id in self.requests or request.request_id in self.in_flight:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        if request.cache_salt is not None:
+            self.kv_cache.set_request_salt(request.request_id, request.cache_salt)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -131,6 +133,7 @@ class Scheduler:
             self.remote_kv.hold_for_send(req)  # its blocks go to a consumer first
         elif not self.remote_kv.holds_blocks(req.request_id):
             self.kv_cache.free(req.request_id)
+        self.kv_cache.drop_request_salt(req.request_id)
         self.swapped.discard(req.request_id)  # the runner drops its host copy with its other state
         self._lanes.leave(req.request_id)
         for hook in self.finish_hooks:
@@ -278,6 +281,8 @@ class Scheduler:
 
     def _count_prefix_hits(self, req: Request, num_cached: int) -> None:
         kv = self.kv_cache
+        if req.num_cached_tokens < 0:  # its first admission (vLLM's num_cached_tokens), not a readmission
+            req.num_cached_tokens = num_cached
         if kv.enable_prefix_caching:
             kv.stats.requests += 1
             kv.stats.queries += req.num_tokens

@@ -129,13 +129,14 @@ class AsyncEngine:
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           priority: int = 0, add_special_tokens: bool = True,
                           arrival_time: float | None = None, slo_ttft_ms: float | None = None,
-                          slo_tpot_ms: float | None = None, kv_transfer_params: dict | None = None) -> RequestStream:
+                          slo_tpot_ms: float | None = None, kv_transfer_params: dict | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
         Raises ValueError (invalid or can never fit), QueueFullError, SLOShedError, EngineDrainingError
         or EngineDeadError. ``arrival_time`` (time.perf_counter) is when the request really arrived,
         e.g. when its HTTP request was received; the latency metrics count from it. ``slo_ttft_ms`` and
-        ``slo_tpot_ms`` are the request's own SLOs, over the engine's.
+        ``slo_tpot_ms`` are the request's own SLOs, over the engine's; ``cache_salt`` its own prefix-cache salt.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
@@ -161,7 +162,8 @@ class AsyncEngine:
                     stream.finished = True
                     raise
             self._commands.append(AddCommand(prompt, params, request_id, priority, add_special_tokens,
-                                       arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params))
+                                       arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params,
+                                       cache_salt))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(future)
@@ -277,8 +279,8 @@ class AsyncEngine:
                     f"limit is {limit} (--max-waiting-requests); retry later")
             # The command waited for the step in flight; latencies count from the real arrival.
             # the optional arguments only where given (engines with the plain signature take the rest)
-            extra = {k: v for k, v in (("slo_tpot_ms", cmd.slo_tpot_ms), ("kv_transfer_params", cmd.kv_transfer_params))
-                     if v}
+            extra = {k: v for k, v in (("slo_tpot_ms", cmd.slo_tpot_ms), ("kv_transfer_params", cmd.kv_transfer_params),
+                                       ("cache_salt", cmd.cache_salt)) if v}
             rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
                                      arrival_time=cmd.arrival_time, **extra)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too

@@ -147,7 +147,7 @@ class EngineCore:
         self._num_added += 1
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
                       msg.max_tokens, msg.priority, constraints=msg.constraints, slo_tpot_ms=msg.slo_tpot_ms,
-                      kv_transfer=msg.kv_transfer)
+                      kv_transfer=msg.kv_transfer, cache_salt=msg.cache_salt)
         req.timings.arrival = msg.arrival_time
         self.scheduler.add_request(req)
         self._sent[msg.request_id] = 0
@@ -326,6 +326,7 @@ class EngineCore:
         out = CoreOutput(rid, req.output_token_ids[sent:], req.timings.token_times[sent:n],
                          result.logprobs.get(rid), result.prompt_logprobs.get(rid), req.timings.first_scheduled,
                          req.num_preemptions)
+        out.num_cached_tokens = req.num_cached_tokens
         if req.is_finished:
             out.status, out.stop_reason, out.finished_time = req.status.value, req.stop_reason, req.timings.finished
             out.error = req.error

@@ -35,6 +35,7 @@ class ProcessedRequest:
     slo_tpot_ms: float | None = None
     kv_transfer_params: dict | None = None
     constraints: RequestConstraints | None = None
+    cache_salt: str | None = None
 
 
 class InputProcessor:
@@ -63,7 +64,7 @@ class InputProcessor:
 
     def process(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
                 add_special_tokens: bool = True, slo_tpot_ms: float | None = None,
-                kv_transfer_params: dict | None = None) -> ProcessedRequest:
+                kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> ProcessedRequest:
         """Every check a request gets, in one place and once; raises ValueError if it is invalid or can
         never fit (LLMEngine.add_request documents the arguments)."""
         params = params or SamplingParams()
@@ -75,6 +76,8 @@ class InputProcessor:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if slo_tpot_ms is not None and not (isinstance(slo_tpot_ms, (int, float)) and slo_tpot_ms > 0):
             raise InvalidParameter(f"slo_tpot_ms must be positive milliseconds, got {slo_tpot_ms!r}", "slo_tpot_ms")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidParameter("cache_salt must be a non-empty string", "cache_salt")
         ids = self.tokenize_prompt(prompt, add_special_tokens)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         if max_tokens < 1:
@@ -84,7 +87,7 @@ class InputProcessor:
         check_fits(len(ids), max_tokens, self.max_model_len, info.num_blocks, info.block_size, self.config.scheduler)
         constraints = build_constraints(params, self.tokenizer, self.vocab_size, self.grammars)
         return ProcessedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, priority,
-                                slo_tpot_ms, kv_transfer_params, constraints)
+                                slo_tpot_ms, kv_transfer_params, constraints, cache_salt)
 
 
 def check_kv_transfer_params(kv: dict, role: str | None, params: SamplingParams) -> None:

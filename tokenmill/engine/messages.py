@@ -80,6 +80,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     slo_tpot_ms: float | None = None  # its own TPOT SLO
     kv_transfer: dict | None = None  # prefill/decode disaggregation: the request's kv_transfer_params
     constraints: RequestConstraints | None = None  # a structured-output grammar, bad_words (structured_output.py)
+    cache_salt: str | None = None  # its own prefix-cache salt (vLLM's cache_salt)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -121,6 +122,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     finished_time: float | None = None
     error: str | None = None  # the core could not run it (it finishes as "abort")
+    num_cached_tokens: int = -1  # prompt tokens it found in the prefix cache when admitted (-1: not yet)
 
 
 class CoreState(msgspec.Struct, omit_defaults=True):

@@ -164,6 +164,7 @@ class AddCommand:
     slo_tpot_ms: float | None = None
     admitted: list | None = None  # its entry in AsyncEngine._admitted, where SLO admission counted it
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (LLMEngine.add_request)
+    cache_salt: str | None = None  # its own prefix-cache salt (LLMEngine.add_request)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncEngine.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /version, GET /dashboard (server/dashboard.py). Every error is an OpenAI error object
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize (server/tokenization.py),
+GET /v1/models, GET /health, GET /metrics, GET /version, GET /dashboard (server/dashboard.py). Every error is an OpenAI error object
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad input, 401 without
 the API key, 503 when overloaded or draining, 500 when the engine loop died.
 """
@@ -33,10 +33,12 @@ from tokenmill.server.live_replay import LiveReplay
 from tokenmill.server.logprobs import LogprobsMixin
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import AuthMiddleware, BodyLimitMiddleware
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
+from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
+                                      TokenizeRequest, error_body)
 from tokenmill.server.responses import _error_response, json_response
 from tokenmill.server.serving import ServerConfig, ServingBase, _validation_error
 from tokenmill.server.streaming import _ClientGone
+from tokenmill.server.tokenization import TokenizeMixin
 from tokenmill.version import __version__
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 
-class OpenAIServing(CompletionsMixin, ChatMixin, LogprobsMixin, ServingBase):
+class OpenAIServing(CompletionsMixin, ChatMixin, TokenizeMixin, LogprobsMixin, ServingBase):
     """The OpenAI endpoints over one AsyncEngine (each concern in its own module)."""
 
 
@@ -156,6 +158,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat_completions(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await serving.detokenize(body)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

@@ -12,9 +12,9 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from tokenmill.server.protocol import ChatCompletionRequest, bad_request
+from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from tokenmill.server.responses import SSEResponse, _sse, json_response
-from tokenmill.server.serving import _Prepared, _usage
+from tokenmill.server.serving import RESERVED_TEMPLATE_VARS, _Prepared, _usage, check_cache_salt, truncate_prompt
 from tokenmill.server.streaming import _abort_all, _chunk_builder, _collect, _DeltaTracker, _merge, error_event
 from tokenmill.server.structured import structured_outputs
 from tokenmill.server.tools import (
@@ -70,6 +70,60 @@ class _ToolStream:
 class ChatMixin:
     """The chat endpoint; mixed into OpenAIServing."""
 
+    async def chat_prompt_ids(self, req_messages: list[ChatMessage], tools: list[dict] | None,
+                              add_generation_prompt: bool | None, template_kwargs: dict | None,
+                              documents: list[dict] | None, add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids: the messages rendered by the model's chat template (with tools, documents
+        and the request's chat_template_kwargs as template variables), as /v1/chat/completions and /tokenize
+        see them. Bad messages are a 400 naming them."""
+        kwargs = dict(template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+        if clash:
+            raise bad_request(f"chat_template_kwargs must not set {', '.join(clash)}: give it as its own field",
+                              "chat_template_kwargs")
+        messages = []
+        for i, m in enumerate(req_messages):
+            if not m.role:
+                raise bad_request(f"messages[{i}].role must not be empty", f"messages[{i}].role")
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(f"messages[{i}].content[{j}]: only text content parts are supported",
+                                          f"messages[{i}].content")
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            # null content (allowed by OpenAI, e.g. an assistant turn) renders as empty text
+            msg = {**(m.model_extra or {}), "role": m.role, "content": "" if content is None else content}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        add_gen = True if add_generation_prompt is None else add_generation_prompt
+        native_tools = template_knows_tools(self.tokenizer.chat_template)
+        if not native_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
+            messages = messages_with_tools(messages, tools)
+        if native_tools and tools:
+            kwargs["tools"] = tools
+        if documents is not None:
+            kwargs["documents"] = documents
+
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
+            # the template holds any BOS; add_special_tokens (vLLM's, default off) adds them on top
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        try:
+            ids = await asyncio.to_thread(render)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template can fail in any way on odd input (TypeError, ...)
+            raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                              "messages") from None
+        if not ids:
+            raise bad_request("the chat template rendered an empty prompt", "messages")
+        return ids
+
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         self.check_serving()
@@ -106,47 +160,13 @@ class ChatMixin:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=max_tokens_param,
                                       logprobs=logprobs, logprobs_param="top_logprobs", structured=structured)
-        messages = []
-        for i, m in enumerate(req.messages):
-            if not m.role:
-                raise bad_request(f"messages[{i}].role must not be empty", f"messages[{i}].role")
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        raise bad_request(f"messages[{i}].content[{j}]: only text content parts are supported",
-                                          f"messages[{i}].content")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            # null content (allowed by OpenAI, e.g. an assistant turn) renders as empty text
-            msg = {**(m.model_extra or {}), "role": m.role, "content": "" if content is None else content}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
-        add_gen = True if req.add_generation_prompt is None else req.add_generation_prompt
-        native_tools = template_knows_tools(self.tokenizer.chat_template)
-        if not native_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
-            messages = messages_with_tools(messages, tools)
-
-        def render() -> list[int]:
-            kw = {"tools": tools} if native_tools and tools else {}
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kw)
-            return self.tokenizer.encode(text, add_special_tokens=False)  # the template holds any BOS
-
-        try:
-            ids = await asyncio.to_thread(render)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - a template can fail in any way on odd input (TypeError, ...)
-            raise bad_request(f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                              "messages") from None
-        if not ids:
-            raise bad_request("the chat template rendered an empty prompt", "messages")
+        ids = await self.chat_prompt_ids(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs,
+                                         req.documents, bool(req.add_special_tokens))
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens)
         self.check_context(ids, max_tokens, "messages", max_tokens_param)
         prep = _Prepared([ids], [""], params, max_tokens_param, "messages", structured_param=structured_param,
                          tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser,
-                         kv_transfer_params=req.kv_transfer_params)
+                         kv_transfer_params=req.kv_transfer_params, cache_salt=check_cache_salt(req.cache_salt))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
                          stream=bool(req.stream), headers=raw.headers)
@@ -170,9 +190,12 @@ class ChatMixin:
             choices.append({"index": c.index, "message": message,
                             "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        extra = {}
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:  # vLLM's field, beside choices
+            extra["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
         return json_response({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                              "choices": choices, "usage": _usage(len(ids), completion_tokens),
-                              **self.kv_transfer_response(prep, request_id)})
+                              "choices": choices, "usage": _usage(len(ids), completion_tokens, out.num_cached_tokens),
+                              **extra, **self.kv_transfer_response(prep, request_id)})
 
     def _tool_calls(self, prep: _Prepared, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output, by the request's tool_choice."""
@@ -194,10 +217,12 @@ class ChatMixin:
 
         merged = _merge(prep.streams)
         tool_streams: dict[int, _ToolStream] = {}
+        cached = 0
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None} for i in range(params.n)])
             async for _, out in merged:
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     d = track.delta(c.index, c)
                     if d is None:
@@ -217,7 +242,7 @@ class ChatMixin:
                     yield chunk([choice])
             if include_usage:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(len(prep.prompt_ids[0]), track.completion_tokens)})
+                            "choices": [], "usage": _usage(len(prep.prompt_ids[0]), track.completion_tokens, cached)})
         except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
             yield error_event(e, request_id)
         finally:

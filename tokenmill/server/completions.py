@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.protocol import CompletionRequest, bad_request
 from tokenmill.server.responses import SSEResponse, _sse, json_response
-from tokenmill.server.serving import _Prepared, _split_prompts, _usage
+from tokenmill.server.serving import _Prepared, _split_prompts, _usage, check_cache_salt, truncate_prompt
 from tokenmill.server.streaming import _abort_all, _chunk_builder, _collect, _DeltaTracker, _merge, error_event
 from tokenmill.server.structured import structured_outputs
 
@@ -48,7 +48,7 @@ class CompletionsMixin:
                 if not p:
                     raise bad_request("prompt must not be empty", "prompt")
                 try:
-                    ids = await asyncio.to_thread(self.tokenizer.encode, p, True)
+                    ids = await asyncio.to_thread(self.tokenizer.encode, p, req.add_special_tokens is not False)
                 except Exception as e:  # noqa: BLE001 - this prompt's failure is this request's alone
                     raise bad_request(f"the prompt could not be tokenized: {type(e).__name__}: {e}", "prompt") from None
                 if not ids:
@@ -63,10 +63,14 @@ class CompletionsMixin:
                                       "prompt")
                 ids = list(p)
                 texts.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+            kept = truncate_prompt(ids, req.truncate_prompt_tokens)
+            if len(kept) < len(ids) and req.echo:  # echo what the model saw
+                texts[-1] = self.tokenizer.decode(kept, skip_special_tokens=False)
+            ids = kept
             self.check_context(ids, max_tokens, "prompt", "max_tokens")
             ids_list.append(ids)
         prep = _Prepared(ids_list, texts, params, "max_tokens", "prompt", structured_param=structured_param,
-                         kv_transfer_params=req.kv_transfer_params)
+                         kv_transfer_params=req.kv_transfer_params, cache_salt=check_cache_salt(req.cache_salt))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
                          stream=bool(req.stream), headers=raw.headers)
@@ -98,8 +102,9 @@ class CompletionsMixin:
                     choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids in prep.prompt_ids)
+        cached = sum(out.num_cached_tokens for out in finals)
         return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, cached)}
 
     async def _completion_events(self, prep: _Prepared, request_id: str, created: int, model: str, echo: bool,
                                  include_usage: bool) -> AsyncIterator[str]:
@@ -110,12 +115,14 @@ class CompletionsMixin:
         merged = _merge(prep.streams)
         echo_lps = echo and prep.params.logprobs is not None
         echoed: set[int] = set()
+        cached: dict[int, int] = {}  # per prompt: its prompt tokens found in the prefix cache
         try:
             if echo and not echo_lps:
                 for pi, text in enumerate(prep.prompt_texts):
                     yield chunk([{"index": pi * n + i, "text": text, "logprobs": None, "finish_reason": None}
                                  for i in range(n)])
             async for pi, out in merged:
+                cached[pi] = out.num_cached_tokens
                 if echo_lps and pi not in echoed and out.prompt_logprobs is not None:
                     # the prompt's logprobs come with its first output: echo it then
                     echoed.add(pi)
@@ -140,7 +147,8 @@ class CompletionsMixin:
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids in prep.prompt_ids)
                 yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(prompt_tokens, track.completion_tokens)})
+                            "choices": [], "usage": _usage(prompt_tokens, track.completion_tokens,
+                                                           sum(cached.values()))})
         except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
             yield error_event(e, request_id)
         finally:

@@ -7,9 +7,12 @@ error's ``param``; the rest (caps, context length) is checked in the handlers.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger("tokenmill.server")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -54,6 +57,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
+_WARNED: set[str] = set()
+_MAX_WARNED = 256  # field names remembered; beyond that new ones go unlogged (a client can send endless names)
+
+
+class _Request(_Strict):
+    """A request body: an unknown top-level field is accepted and ignored, as vLLM does, with one WARNING per
+    field name for the life of the process (a field that would change the result is declared, and refused in the
+    handler when it cannot be honoured)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown(self) -> _Request:
+        for name in self.model_extra or ():
+            if name not in _WARNED and len(_WARNED) < _MAX_WARNED:
+                _WARNED.add(name)
+                logger.warning("ignoring unknown field %r in %s (logged once per field name)", name,
+                               type(self).__name__)
+        return self
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -79,7 +103,7 @@ class StructuredOutputsRequest(_Strict):
     grammar: str | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
@@ -119,6 +143,17 @@ class _SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: an instance-unique salt for the prefix cache; only requests with the same salt share cached blocks
+    cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the prompt's last N tokens")
+    # vLLM fields that would change the result and are refused unless at their default (serving.py: UNSUPPORTED)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0  # beam search's only
+    spaces_between_special_tokens: bool | None = True
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -127,6 +162,8 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
+    add_special_tokens: bool | None = Field(True, description="vLLM extension: BOS/EOS where the model asks")
+    prompt_embeds: Any = None  # refused
 
 
 class TextPart(_Strict):
@@ -173,3 +210,37 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # vLLM's template fields: extra variables for the Jinja chat template, documents (RAG templates read them)
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = Field(False, description="BOS/EOS on top of what the template writes")
+    # refused unless at their default (serving.py: UNSUPPORTED)
+    chat_template: str | None = None
+    continue_final_message: bool | None = False
+    echo: bool | None = False
+    structural_tag: str | None = None
+    functions: Any = None
+    function_call: Any = None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize: a prompt (TokenizeCompletionRequest) or chat messages (TokenizeChatRequest)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int] | None = None

@@ -7,9 +7,10 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDeadError, EngineDrainingError, QueueFullError, RequestStream, SLOShedError
@@ -25,6 +26,36 @@ if TYPE_CHECKING:
     from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM), avoiding logits / ~0 overflow
+# vLLM's structured-output backend names that mean llguidance (options after ":" change nothing here)
+GUIDED_BACKENDS = frozenset({"auto", "guidance", "llguidance"})
+
+# vLLM request fields that would change the result and that this server does not implement: a 400 naming the
+# field (never silently ignored) unless it is at its default. field -> (refused when its value is this, why);
+# the request is passed too, for the one that depends on another field.
+UNSUPPORTED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "use_beam_search": (lambda v, r: bool(v), "beam search is not supported"),
+    "prompt_embeds": (lambda v, r: v is not None, "prompt embeddings are not supported"),
+    "logits_processors": (lambda v, r: bool(v), "custom logits processors are not supported"),
+    "guided_whitespace_pattern": (lambda v, r: v is not None,
+                                  "a JSON whitespace pattern is not supported (JSON is written compact)"),
+    "guided_decoding_backend": (lambda v, r: v is not None and v.partition(":")[0] not in GUIDED_BACKENDS,
+                                "structured outputs run on llguidance here (vLLM's 'guidance' backend; 'auto' is "
+                                "accepted)"),
+    "spaces_between_special_tokens": (lambda v, r: v is False and r.skip_special_tokens is False,
+                                      "false is not supported"),
+    "return_tokens_as_token_ids": (lambda v, r: bool(v), "return_tokens_as_token_ids is not supported"),
+    "prompt_logprobs": (lambda v, r: v is not None and bool(r.stream),
+                        "prompt_logprobs are not available with stream=true"),
+    "chat_template": (lambda v, r: v is not None, "a chat template in the request is not accepted; the model's "
+                      "template is used"),
+    "continue_final_message": (lambda v, r: bool(v), "continue_final_message is not supported"),
+    "echo": (lambda v, r: bool(v) and hasattr(r, "messages"), "echo is not supported on chat completions"),
+    "structural_tag": (lambda v, r: v is not None, "structural_tag is not supported"),
+    "functions": (lambda v, r: v is not None, "functions is deprecated: send tools"),
+    "function_call": (lambda v, r: v is not None, "function_call is deprecated: send tool_choice"),
+}
+# the chat template's own variables, which chat_template_kwargs must not replace
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 @dataclass
@@ -87,11 +118,33 @@ class _Prepared:
     tool_choice: object = None  # chat: "auto" (parse calls), "required", a function name, or None
     tool_parser: str = "hermes"
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation: what the router sent
+    cache_salt: str | None = None  # its own prefix-cache salt
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: the prompt tokens found in the prefix cache (the prefix-cache
+    hits the scheduler counted for the request)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def check_unsupported(req: BaseModel) -> None:
+    """A 400 naming the first field of UNSUPPORTED that the request sets and this server cannot honour."""
+    for name, (refused, why) in UNSUPPORTED.items():
+        if name in type(req).model_fields and refused(getattr(req, name), req):
+            raise bad_request(f"{name}: {why}", name)
+
+
+def check_cache_salt(salt: str | None) -> str | None:
+    if salt is not None and not salt:
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+    return salt
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens."""
+    return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
 
 def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[str | list[int]]:
@@ -172,6 +225,8 @@ class ServingBase:
                         structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
                         ) -> SamplingParams:
         cfg = self.config
+        check_unsupported(req)
+        check_cache_salt(req.cache_salt)
         n = 1 if req.n is None else req.n
         if n > cfg.max_n:
             raise bad_request(f"n={n} is above this server's limit of {cfg.max_n} (--max-n)", "n")
@@ -260,6 +315,8 @@ class ServingBase:
                 raise bad_request("a prefill for remote decode answers with kv_transfer_params in its body: send "
                                   "it with stream false", "stream")
             kv["kv_transfer_params"] = prep.kv_transfer_params
+        if prep.cache_salt is not None:
+            kv["cache_salt"] = prep.cache_salt
         if self.tracer is not None:
             for rid in ids:
                 self.tracer.announce(rid, arrival, headers or {}, prep.params)
