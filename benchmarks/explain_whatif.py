@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 import numpy as np
+from local_server import start_server
 
 KEY = "whatif"
 MEASURE = "server"  # whose TTFT and gaps are compared: the server's timelines, or this client's
@@ -39,22 +39,9 @@ def workload(n: int, rate: float, seed: int) -> list[dict]:
     return out
 
 
-def start_server(port: int, budget: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--api-key", KEY, "--itl-target-ms",
-           "0", "--max-num-batched-tokens", str(budget), "--kv-cache-memory", "1GiB", "--disable-log-requests",
-           "--log-stats-interval", "0", "--no-dashboard"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.5)
-    raise RuntimeError("the server did not start in 300 s")
+def start(port: int, budget: int):
+    return start_server(port, ["--api-key", KEY, "--itl-target-ms", "0", "--max-num-batched-tokens", str(budget),
+                               "--kv-cache-memory", "1GiB", "--no-dashboard"])
 
 
 def run(port: int, reqs: list[dict]) -> dict[int, dict]:
@@ -118,7 +105,7 @@ def main() -> None:
     reqs = workload(a.requests, a.rate, a.seed)
     measured, windows = {}, {}
     for budget in (a.budget, a.what_if_budget):
-        proc = start_server(a.port, budget)
+        proc = start(a.port, budget)
         try:
             measured[budget] = run(a.port, reqs)
             if budget == a.budget:  # the targets: spread over the run's middle

@@ -48,6 +48,25 @@ def test_roofline_of_a_llama3_8b_decode_step_by_hand():
     assert tp.breakdown(big)["compute_s"] == pytest.approx(cost.breakdown(big)["compute_s"] / 2)
 
 
+def test_a_fitted_profile_prices_steps_by_its_efficiencies_and_overheads():
+    """h100-fitted: the datasheet's peaks times the fitted efficiencies (fp8 its own), plus the per-step and
+    per-request overheads; the datasheet profile itself stays the pure roofline."""
+    hw, roof = load_hardware("h100-fitted"), load_hardware("h100")
+    assert roof.bandwidth_efficiency == roof.flops_efficiency == 1.0 and roof.step_overhead == 0.0
+    assert hw.memory_bandwidth == roof.memory_bandwidth and 0 < hw.bandwidth_efficiency < 1
+    batch = StepShape(0, 64, 64, 64 * 1000, 64 * 1000, 64 * 1000, 64)
+    fitted, datasheet = RooflineCost(llama3_8b(), hw), RooflineCost(llama3_8b(), roof)
+    b = fitted.breakdown(batch)
+    assert b["memory_s"] == pytest.approx(datasheet.breakdown(batch)["memory_s"] / hw.bandwidth_efficiency)
+    assert b["seconds"] == pytest.approx(max(b["compute_s"], b["memory_s"]) + hw.step_overhead
+                                         + 64 * hw.sequence_overhead)
+    big = StepShape(4096, 0, 1, 4096 * 4097 // 2, 4096, 0, 1)
+    fp8 = RooflineCost(llama3_8b(), hw, "fp8", "fp8", "fp8").breakdown(big)["compute_s"]
+    assert fp8 == pytest.approx(datasheet.flops(big) / (1978.9e12 * hw.low_precision_flops_efficiency))
+    bf16 = fitted.breakdown(big)["compute_s"]
+    assert bf16 == pytest.approx(datasheet.flops(big) / (989.4e12 * hw.flops_efficiency))
+
+
 def test_fp8_compute_by_hand():
     """--compute-dtype fp8 (W8A8): a compute-bound prefill takes the fp8 peak (1,978.9 TFLOP/s on an H100,
     twice bf16's); activations between devices stay bf16; a GPU without an fp8 peak says which it has."""

@@ -105,7 +105,8 @@ class RequestTracer:
         pass
 
     def on_step(self, stats: StepStats) -> None:
-        self._release()
+        if self._ending:
+            self._release()
 
     def _release(self) -> None:
         for rid in self._ending:

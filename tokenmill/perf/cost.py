@@ -162,20 +162,24 @@ class RooflineCost:
         the next one; the step's latency through every stage and back). The engine's per-step overhead is
         the first stage's (rank 0 schedules and samples)."""
         pl = self.pipeline_seconds(s)
-        over = self.hw.step_overhead
+        over = self.overhead(s)
         return pl["micro_batches"] * pl["stage_s"] + over, pl["turns"] * pl["stage_s"] + pl["comm_s"] + over
+
+    def overhead(self, s: StepShape) -> float:
+        """What a step costs outside the model's kernels: per step, and per request in it."""
+        return self.hw.step_overhead + self.hw.sequence_overhead * s.num_seqs
 
     def breakdown(self, s: StepShape) -> dict[str, float]:
         if self.pp > 1:
             pl = self.pipeline_seconds(s)
             return {"compute_s": pl["compute_s"] / self.pp, "memory_s": pl["memory_s"] / self.pp,
                     "comm_s": pl["comm_s"] + pl["reduce_s"] / self.pp, "bubble_s": (self.pp - 1) * pl["stage_s"],
-                    "seconds": pl["turns"] * pl["stage_s"] + pl["comm_s"] + self.hw.step_overhead}
+                    "seconds": pl["turns"] * pl["stage_s"] + pl["comm_s"] + self.overhead(s)}
         compute = self.flops(s) / (self.peak * self.tp)
         memory = self.bytes(s) / (self.bandwidth * self.tp)
         comm = self.allreduce_seconds(s)
         return {"compute_s": compute, "memory_s": memory, "comm_s": comm,
-                "seconds": max(compute, memory) + comm + self.hw.step_overhead}
+                "seconds": max(compute, memory) + comm + self.overhead(s)}
 
     def __call__(self, s: StepShape) -> float:
         return self.breakdown(s)["seconds"]

@@ -14,7 +14,9 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model name, a .gguf, a Hugging Face folder or a config.json alone (no weights needed)")
     g.add_argument("--hardware", default=None,
-                   help="roofline on a datasheet profile: a100, h100, h200, l4, or a JSON profile file")
+                   help="roofline on a hardware profile: a100, h100, h200, l4 (datasheet peaks), a100-fitted, h100-fitted, "
+                        "h200-fitted (efficiencies and overheads fitted to published measurements: BENCHMARKS.md), or a "
+                        "JSON profile file with HardwareProfile's fields")
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="a calibrated cost model of this machine, written by `tokenmill profile` (instead of "
                         "--hardware)")
