@@ -142,46 +142,48 @@ class TimelineRecorder:
             tl = self._timelines.get(request_id)
             if tl is None:
                 return None
-            rows = self._rows(tl.arrival, self._end(tl))
-        return {"request_id": request_id, "requests": rows}
+            kept, steps, end = list(self._timelines.values()), list(self._steps), self._end(tl)
+        return {"request_id": request_id, "requests": _rows(kept, steps, tl.arrival, end)}
 
     def recent(self, max_requests: int) -> list[dict]:
         """The same rows for the traffic from the arrival of the oldest of the last ``max_requests`` finished
         requests until now (the server's live replay, server/live_replay.py); [] before any finished."""
-        with self._lock:
-            done = sorted((x for x in self._timelines.values() if x.finished is not None), key=lambda x: x.arrival)
-            if not done:
-                return []
-            return self._rows(done[-max_requests:][0].arrival, max(x.finished for x in done))
+        with self._lock:  # (references only: the rows are built outside, the engine thread never waits on them)
+            kept, steps = list(self._timelines.values()), list(self._steps)
+        done = sorted((x for x in kept if x.finished is not None), key=lambda x: x.arrival)
+        if not done:
+            return []
+        return _rows(kept, steps, done[-max_requests:][0].arrival, max(x.finished for x in done))
 
-    def _rows(self, t0: float, end: float) -> list[dict]:
-        """Every kept request arriving from the first arrival among those in flight at any time in [t0, end]
-        to ``end``, in arrival order (under the lock); ``before``: it arrived before t0 (carried over)."""
-        beside = [x for x in self._timelines.values()
-                  if x.arrival <= end and (x.finished is None or x.finished >= t0)]
-        start = min(x.arrival for x in beside)
-        members = sorted((x for x in self._timelines.values() if start <= x.arrival <= end), key=lambda x: x.arrival)
-        by_number = {s.number: s for s in self._steps}
-        rows = []
-        for x in members:
-            times = [t for t, _ in x.outputs]
-            steps = [by_number[n] for n in x.steps if n in by_number]
-            first_out = next((s for s in steps if any(e[0] == x.request_id and e[4] for e in s.requests)), None)
-            drafted = [e for s in steps for e in s.requests if e[0] == x.request_id and e[3]]
-            rows.append({"request_id": x.request_id, "arrival_s": x.arrival - start,
-                         # speculative decoding: drafts verified, and accepted (all it emitted but the target's own)
-                         "drafts": sum(e[3] for e in drafted), "accepted": sum(max(e[4] - 1, 0) for e in drafted),
-                         "prompt_tokens": x.prompt_tokens, "cached_tokens": max(x.cached_tokens, 0),
-                         "output_tokens": x.outputs[-1][1] if x.outputs else 0,
-                         "finished": x.finished is not None, "before": x.arrival < t0,
-                         "ttft_s": None if x.first_token is None else x.first_token - x.arrival,
-                         "e2e_s": None if x.finished is None else x.finished - x.arrival,
-                         "itl_s": [b - a for a, b in zip(times, times[1:])],
-                         # the front end's part: arrival to its first step, its first token's step to out
-                         "to_first_step_s": steps[0].start - x.arrival if steps else None,
-                         "out_after_step_s": (x.first_token - first_out.end
-                                              if first_out is not None and x.first_token is not None else None)})
-        return rows
+
+def _rows(kept: list[Timeline], ring: list[StepRecord], t0: float, end: float) -> list[dict]:
+    """Every kept request arriving from the first arrival among those in flight at any time in [t0, end]
+    to ``end``, in arrival order; ``before``: it arrived before t0 (carried over). (Read while the engine
+    thread may append to a timeline: a row may miss its latest step, never break.)"""
+    beside = [x for x in kept if x.arrival <= end and (x.finished is None or x.finished >= t0)]
+    start = min(x.arrival for x in beside)
+    members = sorted((x for x in kept if start <= x.arrival <= end), key=lambda x: x.arrival)
+    by_number = {s.number: s for s in ring}
+    rows = []
+    for x in members:
+        times = [t for t, _ in x.outputs]
+        steps = [by_number[n] for n in x.steps if n in by_number]
+        first_out = next((s for s in steps if any(e[0] == x.request_id and e[4] for e in s.requests)), None)
+        drafted = [e for s in steps for e in s.requests if e[0] == x.request_id and e[3]]
+        rows.append({"request_id": x.request_id, "arrival_s": x.arrival - start,
+                     # speculative decoding: drafts verified, and accepted (all it emitted but the target's own)
+                     "drafts": sum(e[3] for e in drafted), "accepted": sum(max(e[4] - 1, 0) for e in drafted),
+                     "prompt_tokens": x.prompt_tokens, "cached_tokens": max(x.cached_tokens, 0),
+                     "output_tokens": x.outputs[-1][1] if x.outputs else 0,
+                     "finished": x.finished is not None, "before": x.arrival < t0,
+                     "ttft_s": None if x.first_token is None else x.first_token - x.arrival,
+                     "e2e_s": None if x.finished is None else x.finished - x.arrival,
+                     "itl_s": [b - a for a, b in zip(times, times[1:])],
+                     # the front end's part: arrival to its first step, its first token's step to out
+                     "to_first_step_s": steps[0].start - x.arrival if steps else None,
+                     "out_after_step_s": (x.first_token - first_out.end
+                                          if first_out is not None and x.first_token is not None else None)})
+    return rows
 
 
 def describe(tl: Timeline, steps: list[StepRecord], itl_target_s: float | None) -> dict:
