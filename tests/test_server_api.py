@@ -15,7 +15,7 @@ import pytest
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.app import ServerConfig, build_app
 from tokenmill.server.run import BackgroundServer
-from tokenmill.server.tools import StreamingToolParser, parse_hermes, parse_llama3_json, parse_required
+from tokenmill.server.tool_parsers import StreamingToolParser, parse_hermes, parse_llama3_json, parse_required
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {

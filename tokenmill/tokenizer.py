@@ -17,6 +17,7 @@ check token-for-token agreement with transformers.
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 from collections.abc import Iterator, Sequence
@@ -176,7 +177,7 @@ class Tokenizer:
             if not isinstance(m.get("content"), (str, list, type(None))):
                 raise ValueError(f"message {i} 'content' must be a string, a list of parts or None: {m!r}")
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         bos, eos = (self.hf.id_to_token(i) if i is not None else "" for i in (self.bos_token_id, self.eos_token_id))
         variables = {"tools": None, "documents": None, "bos_token": bos or "", "eos_token": eos or "", **kwargs}
         try:
@@ -186,6 +187,12 @@ class Tokenizer:
             raise ValueError(f"chat template rejected the messages: {e}") from e
         except (TypeError, AttributeError, KeyError, IndexError) as e:  # a template tripping over odd values
             raise ValueError(f"chat template could not render the messages ({type(e).__name__}: {e})") from e
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer rendering chats with another template (a server's --chat-template)."""
+        other = copy.copy(self)
+        other.chat_template, other._template = chat_template, compile_chat_template(chat_template)
+        return other
 
     def detokenizer(self, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
                     ) -> IncrementalDetokenizer:
@@ -434,7 +441,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separ
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
     # Chat templates come from model files, i.e. untrusted: render them sandboxed.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])

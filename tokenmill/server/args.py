@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.server.reasoning import REASONING_PARSERS
+from tokenmill.server.tool_parsers import TOOL_CALL_PARSERS
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
@@ -48,10 +51,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: stop admitting, give in-flight requests this many seconds to finish, "
                         "then abort them and exit (default 30)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "llama3_json"],
+    g.add_argument("--tool-call-parser", default="hermes", choices=list(TOOL_CALL_PARSERS),
                    help="how tool_choice auto finds tool calls in the output: hermes (<tool_call>{...}</tool_call>: "
-                        "Hermes, Qwen2.5, SmolLM2; default) or llama3_json ({\"name\", \"parameters\"} objects). "
-                        "tool_choice required or a named function constrains the output instead")
+                        "Hermes, Qwen2.5, SmolLM2; default), llama3_json ({\"name\", \"parameters\"} objects), "
+                        "mistral ([TOOL_CALLS] and a JSON list, or name[ARGS]{...}), pythonic ([f(x=1), g(y=\"z\")]: "
+                        "Llama 3.2/4) or qwen3_xml (Qwen3-Coder's <tool_call><function=...><parameter=...>). "
+                        "Only the content is searched, never the reasoning. tool_choice required or a named "
+                        "function constrains the output instead")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="send the model's thinking (between <think> and </think>) as reasoning_content, apart from "
+                        "content: qwen3 (where the output opens with <think>; none with chat_template_kwargs "
+                        "{\"enable_thinking\": false}) or deepseek_r1 (the output starts inside the thinking: all "
+                        "up to </think> is reasoning). Default: none, the thinking stays in content")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template, as a file or the template itself, used instead of the model's for "
+                        "/v1/chat/completions and /tokenize (default: the model's)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice auto is always on when a request has tools")
     g.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,

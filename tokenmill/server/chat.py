@@ -13,19 +13,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from tokenmill.server.reasoning import ReasoningStream, reasoning_for
 from tokenmill.server.responses import SSEResponse, _sse, json_response
 from tokenmill.server.serving import RESERVED_TEMPLATE_VARS, _Prepared, _usage, check_cache_salt, truncate_prompt
 from tokenmill.server.streaming import _abort_all, _chunk_builder, _collect, _DeltaTracker, _merge, error_event
 from tokenmill.server.structured import structured_outputs
-from tokenmill.server.tools import (
-    PARSERS,
-    StreamingToolParser,
-    ToolCall,
-    messages_with_tools,
-    parse_required,
-    template_knows_tools,
-    tool_choice_constraint,
-)
+from tokenmill.server.tool_parsers import StreamingToolParser, ToolCall, parse_required, parse_tool_calls
+from tokenmill.server.tools import messages_with_tools, template_knows_tools, tool_choice_constraint
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -37,7 +31,7 @@ class _ToolStream:
 
     def __init__(self, prep: _Prepared) -> None:
         self.choice = prep.tool_choice
-        self.parser = StreamingToolParser(prep.tool_parser) if self.choice == "auto" else None
+        self.parser = StreamingToolParser(prep.tool_parser, prep.tools) if self.choice == "auto" else None
         self.text = ""
         self.count = 0  # tool calls sent
         self.named = None if self.choice in ("auto", "required") else ToolCall(self.choice, "")
@@ -100,7 +94,7 @@ class ChatMixin:
                 msg["name"] = m.name
             messages.append(msg)
         add_gen = True if add_generation_prompt is None else add_generation_prompt
-        native_tools = template_knows_tools(self.tokenizer.chat_template)
+        native_tools = template_knows_tools(self.chat_tokenizer.chat_template)
         if not native_tools and (tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)):
             messages = messages_with_tools(messages, tools)
         if native_tools and tools:
@@ -109,7 +103,7 @@ class ChatMixin:
             kwargs["documents"] = documents
 
         def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
+            text = self.chat_tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
             # the template holds any BOS; add_special_tokens (vLLM's, default off) adds them on top
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -164,9 +158,14 @@ class ChatMixin:
                                          req.documents, bool(req.add_special_tokens))
         ids = truncate_prompt(ids, req.truncate_prompt_tokens)
         self.check_context(ids, max_tokens, "messages", max_tokens_param)
+        # an output forced to a tool call is JSON from its first token: no thinking in it
+        reasoning = None if tools and choice != "auto" else reasoning_for(
+            self.config.reasoning_parser, req.chat_template_kwargs, structured is not None,
+            req.include_reasoning is not False)
         prep = _Prepared([ids], [""], params, max_tokens_param, "messages", structured_param=structured_param,
                          tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser,
-                         kv_transfer_params=req.kv_transfer_params, cache_salt=check_cache_salt(req.cache_salt))
+                         tools=tools, reasoning=reasoning, kv_transfer_params=req.kv_transfer_params,
+                         cache_salt=check_cache_salt(req.cache_salt))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
                          stream=bool(req.stream), headers=raw.headers)
@@ -181,8 +180,12 @@ class ChatMixin:
         for c in out.outputs:
             lp = {"content": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs)} \
                 if c.logprobs is not None else None
-            content, calls = self._tool_calls(prep, c.text)
+            reasoning_text, text = prep.reasoning.split(c.text) if prep.reasoning is not None else (None, c.text)
+            # tool calls are read from the content only, never from the thinking
+            content, calls = self._tool_calls(prep, text) if text is not None else (None, [])
             message = {"role": "assistant", "content": content}
+            if self.config.reasoning_parser is not None:
+                message["reasoning_content"] = reasoning_text if prep.reasoning and prep.reasoning.include else None
             finish = c.finish_reason
             if calls:
                 message["tool_calls"] = [t.to_openai() for t in calls]
@@ -203,7 +206,7 @@ class ChatMixin:
         if choice is None:
             return text, []
         if choice == "auto":
-            return PARSERS[prep.tool_parser](text)
+            return parse_tool_calls(prep.tool_parser, text, prep.tools)
         if choice == "required":
             calls = parse_required(text)
             return (None, calls) if calls else (text, [])
@@ -217,6 +220,7 @@ class ChatMixin:
 
         merged = _merge(prep.streams)
         tool_streams: dict[int, _ToolStream] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         cached = 0
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -231,10 +235,19 @@ class ChatMixin:
                     lp = None
                     if c.logprobs is not None:
                         lp = {"content": self._chat_logprobs(new_ids, c.logprobs[tstart:], params.logprobs)}
+                    thought = ""
+                    if prep.reasoning is not None:
+                        rs = reasoning_streams.setdefault(c.index, prep.reasoning.stream())
+                        thought, delta = rs.feed(delta, c.finished)
+                        thought = thought if prep.reasoning.include else ""
                     message = {"content": delta} if delta else {}
                     called = False
                     if prep.tool_choice is not None:
                         message, called = tool_streams.setdefault(c.index, _ToolStream(prep)).delta(delta, c.finished)
+                    if thought:
+                        message = {"reasoning_content": thought, **message}
+                    if not message and lp is None and not c.finished:
+                        continue  # all of it held back (a tag's beginning)
                     choice = {"index": c.index, "delta": message, "logprobs": lp, "finish_reason": None}
                     if c.finished:
                         choice["finish_reason"] = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason

@@ -214,6 +214,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = Field(False, description="BOS/EOS on top of what the template writes")
+    include_reasoning: bool | None = Field(True, description="vLLM's: send reasoning_content (--reasoning-parser)")
     # refused unless at their default (serving.py: UNSUPPORTED)
     chat_template: str | None = None
     continue_final_message: bool | None = False

@@ -203,7 +203,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                         max_logprobs=a.max_logprobs, max_prompts=a.max_prompts,
                         max_request_bytes=a.max_request_bytes, request_body_timeout=a.request_body_timeout,
                         drain_timeout=a.drain_timeout,
-                        tool_call_parser=a.tool_call_parser, exit_on_engine_death=a.exit_on_engine_death,
+                        tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                        chat_template=a.chat_template, exit_on_engine_death=a.exit_on_engine_death,
                         restart_engine_core=a.restart_engine_core, dashboard=a.dashboard,
                         request_timelines=a.request_timelines, otlp_traces_endpoint=a.otlp_traces_endpoint,
                         live_replay_interval=a.live_replay_interval)

@@ -16,14 +16,18 @@ from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.streams import EngineDeadError, EngineDrainingError, QueueFullError, RequestStream, SLOShedError
 from tokenmill.engine.tracing import traces_endpoint
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
+from tokenmill.server.chat_template import load_chat_template
 from tokenmill.server.logprobs import _TokenText
 from tokenmill.server.protocol import OpenAIError, bad_request
-from tokenmill.server.tools import TOOL_CALL_PARSERS
+from tokenmill.server.reasoning import check_reasoning_parser
+from tokenmill.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from tokenmill.engine.tracing import RequestTracer
     from tokenmill.sampling_params import StructuredOutputsParams
     from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
+    from tokenmill.server.reasoning import Reasoning
+    from tokenmill.tokenizer import Tokenizer
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as vLLM), avoiding logits / ~0 overflow
 # vLLM's structured-output backend names that mean llguidance (options after ":" change nothing here)
@@ -46,8 +50,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "return_tokens_as_token_ids": (lambda v, r: bool(v), "return_tokens_as_token_ids is not supported"),
     "prompt_logprobs": (lambda v, r: v is not None and bool(r.stream),
                         "prompt_logprobs are not available with stream=true"),
-    "chat_template": (lambda v, r: v is not None, "a chat template in the request is not accepted; the model's "
-                      "template is used"),
+    "chat_template": (lambda v, r: v is not None, "a chat template in the request is not accepted; the server's "
+                      "(--chat-template, else the model's) is used"),
     "continue_final_message": (lambda v, r: bool(v), "continue_final_message is not supported"),
     "echo": (lambda v, r: bool(v) and hasattr(r, "messages"), "echo is not supported on chat completions"),
     "structural_tag": (lambda v, r: v is not None, "structural_tag is not supported"),
@@ -71,7 +75,9 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     request_body_timeout: float = 30.0  # seconds a body may take to arrive (slowloris)
     drain_timeout: float = 30.0
-    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tools.py)
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads calls in the output (server/tool_parsers.py)
+    reasoning_parser: str | None = None  # thinking -> reasoning_content (server/reasoning.py)
+    chat_template: str | None = None  # --chat-template: a Jinja file or the template itself, over the model's
     # the engine died: exit (status 1) this long after, once the failed requests got their errors
     exit_on_engine_death: bool = False
     restart_engine_core: bool = False  # instead: start a fresh engine core process and keep serving
@@ -79,8 +85,12 @@ class ServerConfig:
     request_timelines: int = 1000  # finished requests whose timelines are kept (engine/timelines.py); 0: off
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span tree per request (engine/tracing.py)
     live_replay_interval: float = 60.0  # seconds between replays of the recent traffic (server/live_replay.py); 0: off
+    chat_template_text: str | None = field(init=False, default=None, repr=False)  # chat_template's, loaded
 
     def __post_init__(self) -> None:
+        check_reasoning_parser(self.reasoning_parser)
+        if self.chat_template is not None:
+            self.chat_template_text = load_chat_template(self.chat_template)
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if not self.live_replay_interval >= 0:
@@ -102,7 +112,7 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
 
 
@@ -117,6 +127,8 @@ class _Prepared:
     structured_param: str | None = None  # the field a structured-output constraint came from
     tool_choice: object = None  # chat: "auto" (parse calls), "required", a function name, or None
     tool_parser: str = "hermes"
+    tools: list[dict] | None = None  # the request's (a parser types arguments by their schemas)
+    reasoning: Reasoning | None = None  # how the output splits into reasoning and content
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation: what the router sent
     cache_salt: str | None = None  # its own prefix-cache salt
 
@@ -196,6 +208,8 @@ class ServingBase:
         self.model_names = list(config.served_model_names) or [llm.model_name]
         self.model_name = self.model_names[0]
         self.tokenizer = llm.tokenizer
+        self._templated = None if config.chat_template_text is None else \
+            self.tokenizer.with_chat_template(config.chat_template_text)
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.model_config.vocab_size
         self.created = int(time.time())
@@ -204,6 +218,11 @@ class ServingBase:
         # (code, seconds from the request's arrival to its refusal): set by build_app to the metrics' hook
         self.on_refused: Callable[[str, float], None] | None = None
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint: set by build_app
+
+    @property
+    def chat_tokenizer(self) -> Tokenizer:
+        """What renders chats: the tokenizer, with --chat-template's template where one was given."""
+        return self.tokenizer if self._templated is None else self._templated
 
     def check_serving(self) -> None:
         if self.engine.error is not None:
