@@ -90,3 +90,27 @@ def step_until_done(engine) -> dict:  # noqa: ANN001 -- an LLMEngine
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+@contextlib.contextmanager
+def served_engine(engine, api_key: str, **config):  # noqa: ANN001 -- an LLMEngine
+    """The real server over ``engine`` on loopback (build_app with ServerConfig(api_key, dashboard off,
+    **config)), as an httpx client with the key, the model's name (``.model``), the app (``.app``) and the
+    server's address (``.url``)."""
+    import httpx
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.app import build_app
+    from tokenmill.server.run import BackgroundServer
+    from tokenmill.server.serving import ServerConfig
+
+    ae = AsyncEngine(engine, max_waiting_requests=64, log_interval=None, log_requests=False)
+    app = build_app(ae, ServerConfig(api_key=api_key, dashboard=False, **config))
+    srv = BackgroundServer(app).start()
+    try:
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=300) as http:
+            http.model = http.get("/v1/models").json()["data"][0]["id"]
+            http.app, http.url = app, srv.url
+            yield http
+    finally:
+        srv.stop(60)

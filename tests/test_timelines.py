@@ -100,19 +100,10 @@ ITL_RUN: dict = {}  # the ITL test's request ids, which the explain test replays
 
 @pytest.fixture(scope="module")
 def served(llm_fp32):
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.app import build_app
-    from tokenmill.server.run import BackgroundServer
-    from tokenmill.server.serving import ServerConfig
+    from helpers import served_engine
 
-    ae = AsyncEngine(llm_fp32.engine, max_waiting_requests=64, log_interval=None, log_requests=False)
-    app = build_app(ae, ServerConfig(api_key=KEY, dashboard=False, live_replay_interval=3600))
-    srv = BackgroundServer(app).start()
-    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
-        http.model = http.get("/v1/models").json()["data"][0]["id"]
-        http.app = app
+    with served_engine(llm_fp32.engine, KEY, live_replay_interval=3600) as http:
         yield http
-    srv.stop(60)
 
 
 def _long_prompt(llm, num_tokens: int, word: str) -> list[int]:

@@ -84,19 +84,10 @@ def test_an_unknown_field_is_accepted_and_logged_once_per_name(caplog):
 
 @pytest.fixture(scope="module")
 def served(llm_fp32):
-    from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.app import build_app
-    from tokenmill.server.run import BackgroundServer
-    from tokenmill.server.serving import ServerConfig
+    from helpers import served_engine
 
-    ae = AsyncEngine(llm_fp32.engine, max_waiting_requests=64, log_interval=None, log_requests=False)
-    app = build_app(ae, ServerConfig(api_key=KEY, dashboard=False, live_replay_interval=0))
-    srv = BackgroundServer(app).start()
-    with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300) as http:
-        http.model = http.get("/v1/models").json()["data"][0]["id"]
-        http.app, http.url = app, srv.url
+    with served_engine(llm_fp32.engine, KEY, live_replay_interval=0) as http:
         yield http
-    srv.stop(60)
     engine = llm_fp32.engine
     assert not engine.has_unfinished_requests()
     engine.kv_cache.check_invariants()
