@@ -103,11 +103,13 @@ def test_dashboard_in_chromium_under_load(llm_default, browser, tmp_path):
         served = metric(httpx.get(srv.url + "/metrics", headers=auth).text, "vllm:generation_tokens_total")
         assert page_total <= served <= page_total + 3.0 * max(page_tps, 1.0) + 30, (page_total, served, page_tps)
         # the in-flight table fills while requests run, with states and no prompt text
-        rows = wait_for(lambda: browser.find_elements("css selector", "#requests tbody tr"), 20, "table rows")
-        assert rows[0].find_elements("tag name", "td")[1].text in ("waiting", "prefill", "decode", "preempted")
+        # (the table is rebuilt every 2 s: a row is read and clicked in one script, never held across a refresh)
         # a row's request as a waterfall: its steps drawn from GET /v1/requests/{id}/timeline
-        rid = rows[0].get_attribute("data-id")
-        rows[0].click()
+        rid, state = wait_for(lambda: browser.execute_script(
+            "const r = document.querySelector('#requests tbody tr');"
+            "if (!r) return null; const got = [r.dataset.id, r.children[1].textContent]; r.click(); return got;"),
+            20, "table rows")
+        assert state in ("waiting", "prefill", "decode", "preempted")
         timeline = browser.find_element("id", "timeline")
         wait_for(lambda: timeline.get_attribute("data-request") == rid, 10, "the clicked request's timeline")
         if os.environ.get("TOKENMILL_DASHBOARD_SCREENSHOT"):
