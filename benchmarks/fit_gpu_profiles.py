@@ -80,17 +80,14 @@ def kv_dtype(fig: dict) -> str:
     return fig["kv_dtype"] or fig["weight_dtype"]
 
 
-def no_evict_seqs(fig: dict, seqs: int) -> int:
+def no_evict_seqs(fig: dict, seqs: int, cfg_path: Path) -> int:
     """TensorRT-LLM's default scheduler (GUARANTEED_NO_EVICT) admits a request only with KV for its whole
     length reserved: at most the pool over (input + output) tokens run at once, never preempted."""
     from tokenmill.perf.cost import RooflineCost
     from tokenmill.perf.hardware import KNOWN
     from tokenmill.sim.cli import model_config
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_path = Path(tmp) / "config.json"
-        cfg_path.write_text(json.dumps(MODELS[fig["model"]]))
-        cfg, _ = model_config(str(cfg_path))
+    cfg, _ = model_config(str(cfg_path))
     hw, tp = KNOWN[fig["gpu"]], fig["tensor_parallel"]
     cost = RooflineCost(cfg, hw, fig["weight_dtype"], kv_dtype(fig), fig["compute_dtype"], tensor_parallel_size=tp)
     pool = 0.9 * hw.memory_bytes * tp - cost.weight_bytes  # as `tokenmill simulate` sizes it
@@ -107,7 +104,7 @@ def sim_args(fig: dict, workdir: Path, hardware: str) -> list[str]:
     seqs, tokens, chunked = ENGINE_LIMITS[family]
     seqs = w.get("max_num_seqs") or seqs
     if family != "vLLM":
-        seqs = no_evict_seqs(fig, seqs)
+        seqs = no_evict_seqs(fig, seqs, cfg)
     tokens = max(w.get("max_num_batched_tokens") or tokens, 0 if chunked else w["input_len"])
     closed_loop = w.get("concurrency") == 1 or w["num_prompts"] is None
     rate = w["request_rate"]

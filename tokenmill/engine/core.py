@@ -326,7 +326,8 @@ class EngineCore:
         out = CoreOutput(rid, req.output_token_ids[sent:], req.timings.token_times[sent:n],
                          result.logprobs.get(rid), result.prompt_logprobs.get(rid), req.timings.first_scheduled,
                          req.num_preemptions)
-        out.num_cached_tokens = req.num_cached_tokens
+        if sent == 0:  # (set at admission, before any token: it crosses with the first output only)
+            out.num_cached_tokens = req.num_cached_tokens
         if req.is_finished:
             out.status, out.stop_reason, out.finished_time = req.status.value, req.stop_reason, req.timings.finished
             out.error = req.error
