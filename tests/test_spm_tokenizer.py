@@ -299,7 +299,7 @@ def test_detokenizer_held_bytes_and_flush(gguf_pair) -> None:
 # --- bad input -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["bert", "t5", "rwkv"])
+@pytest.mark.parametrize("kind", ["t5", "rwkv", "ugm"])
 def test_unsupported_gguf_vocabulary_type(spm_model, tmp_path, kind: str) -> None:
     path = _write_gguf(tmp_path / "x.gguf", spm_model, kind=kind)
     with pytest.raises(ValueError, match=rf"'{kind}' is not supported.*'gpt2'.*'llama'"):

@@ -252,8 +252,8 @@ def test_template_features_and_errors() -> None:
 
 
 def test_unsupported_gguf_vocab_type() -> None:
-    with pytest.raises(ValueError, match="'bert' is not supported"):
-        Tokenizer.from_gguf(_tiny_gguf(**{"ggml.model": "bert"}))
+    with pytest.raises(ValueError, match="'t5' is not supported"):
+        Tokenizer.from_gguf(_tiny_gguf(**{"ggml.model": "t5"}))
 
 
 @pytest.mark.slow

@@ -69,3 +69,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # prompt tokens its first sequence found in the prefix cache (the prefix-cache hits counted for it)
     num_cached_tokens: int = 0
+    # a pooling request (SamplingParams.pooling): its vector, an embedding or [score] (vLLM's outputs.data)
+    pooled: list[float] | None = None

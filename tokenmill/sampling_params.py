@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tokenmill.pooling_params import PoolingParams
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 64
@@ -82,6 +84,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # words never generated (their last token is banned after the rest)
     structured_outputs: StructuredOutputsParams | None = None
+    # a pooling request (embeddings, scores): the prompt's hidden states pooled, no token generated
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and single strings for convenience, store tuples so the object stays hashable.
@@ -169,6 +173,12 @@ class SamplingParams:
             raise bad("bad_words", f"must be at most {MAX_BAD_WORDS} non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    @property
+    def needs_all_prompt_rows(self) -> bool:
+        """Whether every prompt position is computed here (its logprobs or hidden states are wanted), so
+        the prefix cache cannot stand in for any of them."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.needs_all_rows)
 
     @property
     def greedy(self) -> bool:

@@ -52,7 +52,7 @@ _PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": 
 
 # Token types, the same numbers in llama.cpp's token_type and SentencePiece's model proto.
 _CONTROL, _USER_DEFINED = 3, 4
-_GGUF_VOCABS = "'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)"
+_GGUF_VOCABS = "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE) and 'bert' (WordPiece)"
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -106,6 +106,10 @@ class Tokenizer:
         eos_id = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
         if kind == "gpt2":
             hf = _byte_level_bpe(reader, tokens, types)
+        elif kind == "bert":  # (its template is BERT's, set there: no add-BOS/EOS flags apply)
+            hf = _wordpiece(tokens, types, _gguf_field(reader, "tokenizer.ggml.cls_token_id", bos_id),
+                            _gguf_field(reader, "tokenizer.ggml.seperator_token_id", eos_id))
+            return cls(hf, bos_token_id=bos_id, eos_token_id=eos_id, chat_template=None)
         elif kind == "llama":
             scores = _gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
             hf = _sentencepiece_bpe(tokens, types, scores)
@@ -404,6 +408,27 @@ def _protobuf_fields(data: bytes) -> Iterator[tuple[int, Any]]:
 def _int32(value: int) -> int:
     """A protobuf int32 read as an unsigned varint (negative numbers are sent as 64-bit two's complement)."""
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _wordpiece(tokens: list[str], types: list[int], cls_id: int, sep_id: int) -> HFTokenizer:
+    """BERT's WordPiece from a GGUF: llama.cpp's converter writes a word's first piece with a leading U+2581 and
+    a continuation without its ``##``; control tokens ([CLS], [SEP], ...) as they are. It lowercases, as
+    llama.cpp's WordPiece tokenizer does."""
+    from tokenizers import normalizers
+
+    control = 3
+    vocab = {(t if ty == control else t[1:] if t.startswith("\u2581") else "##" + t): i
+             for i, (t, ty) in enumerate(zip(tokens, types or [1] * len(tokens)))}
+    unk = next((t for t in ("[UNK]", "<unk>") if t in vocab), None)
+    hf = HFTokenizer(models.WordPiece(vocab, unk_token=unk or "[UNK]"))
+    hf.normalizer = normalizers.BertNormalizer(lowercase=True)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece()
+    hf.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types or ()) if ty == control])
+    cls, sep = tokens[cls_id], tokens[sep_id]
+    hf.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+                                                      special_tokens=[(cls, cls_id), (sep, sep_id)])
+    return hf
 
 
 def _template_processor(bos: str | None, bos_id: int | None, eos: str | None,

@@ -147,7 +147,8 @@ class OutputProcessor:
             ))
         metrics = [_metrics(c.request) for c in g.children]
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, g.finished, metrics,
-                             g.prompt_logprobs, max(g.children[0].request.num_cached_tokens, 0))
+                             g.prompt_logprobs, max(g.children[0].request.num_cached_tokens, 0),
+                             g.children[0].request.pooled)
 
     def _drop(self, g: _Group) -> None:
         self.groups.pop(g.request_id, None)

@@ -109,12 +109,44 @@ def _features(cfg: ModelConfig) -> list[str]:
     windowed = [w for w in cfg.layer_windows if w]
     if windowed:
         out.append(f"sliding window {max(windowed)} on {len(windowed)} of {cfg.num_layers} layers")
+    out += _rope_features(cfg)
     out += ["sandwich norms"] if cfg.sandwich_norms else []
     out += ["GELU (tanh) MLP"] if cfg.hidden_act == "gelu_tanh" else []
     out += [f"embedding scale {cfg.embed_scale:.4g}"] if cfg.embed_scale != 1.0 else []
     out += [f"attention scale {cfg.query_scale:.4g}"] if cfg.query_scale is not None else []
     out += [f"attention logit soft cap {cfg.attn_logit_softcap:g}"] if cfg.attn_logit_softcap else []
     out += [f"final logit soft cap {cfg.final_logit_softcap:g}"] if cfg.final_logit_softcap else []
+    if cfg.type_vocab_size:  # a BERT-family encoder (models/bert.py)
+        out.append("encoder: bidirectional attention, absolute positions, GELU")
+    if cfg.classifier_head:
+        out.append(f"cross-encoder ({cfg.num_labels} label{'s' * (cfg.num_labels != 1)}): serves --task score")
+    elif cfg.pooling_type:
+        out.append(f"embedder: {cfg.pooling_type} pooling{', normalised' if cfg.pooling_normalize else ''}: "
+                   "serves --task embed")
+    return out
+
+
+def _rope_features(cfg: ModelConfig) -> list[str]:
+    """How the model's RoPE differs from plain RoPE over whole heads with one base."""
+    out = [f"partial RoPE: {cfg.rotary_dim} of {cfg.head_dim} dims"] if cfg.rotary_dim else []
+    s = cfg.rope_scaling or {}
+    kind, factor, orig = s.get("rope_type"), s.get("factor"), s.get("original_max_position_embeddings")
+    if kind == "longrope":
+        out.append(f"RoPE longrope: short/long factors, original context {orig} (the long ones where "
+                   "max_model_len passes it)")
+    elif kind == "freq_factors":
+        out.append("RoPE frequency factors (rope_freqs, Llama 3.1)")
+    elif kind:
+        name = {"dynamic": "dynamic NTK"}.get(kind, kind)
+        out.append(f"RoPE {name} x{float(factor):g}" + (f" of {orig} positions" if orig else "")
+                   + (" (base fixed by max_model_len)" if kind == "dynamic" else "")
+                   + (" on the global layers" if cfg.rope_local_base_freq is not None else ""))
+    if cfg.rope_local_base_freq is not None:
+        local = sum(1 for i in range(cfg.num_layers) if cfg.rope_kind(i) == "local")
+        out.append(f"RoPE base {cfg.rope_local_base_freq:g} on the {local} sliding-window layers, "
+                   f"{cfg.rope_theta:g} on the others")
+    nope = sum(1 for flag in cfg.no_rope_layers if not flag)
+    out += [f"no RoPE on {nope} of {cfg.num_layers} layers"] if nope else []
     return out
 
 

@@ -12,8 +12,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.distributed.pipeline import check_pipeline_parallel, model_stage_layers, stage_name
 from tokenmill.distributed.sharding import (check_tensor_parallel, dispatches_all_to_all, holds_weight,
                                             shard_quantized, shard_weight)
-from tokenmill.layers.attention import get_backend
+from tokenmill.layers.backends import get_backend
 from tokenmill.layers.kernels import cpu_kernels, unavailable_reason
+from tokenmill.models.bert import ENCODER_TYPES, EncoderModel
 from tokenmill.models.gguf_loader import (gguf_layers_quantized, gguf_model_config, gguf_quantized_weights,
                                           gguf_weights, open_gguf, release_file_pages)
 from tokenmill.models.hf_loader import hf_model_config, hf_weights
@@ -67,6 +68,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         tokenizer = Tokenizer.from_hf_folder(source.path)
         weights = hf_weights(source.path, cfg)
     phase("tokenizer")
+    if cfg.architecture in ENCODER_TYPES and quantization == "auto":
+        quantization = "none"  # encoders run float weights (a quantized file is dequantized)
     quantization = resolve_quantization(quantization, reader, device, dtype)
     if reader is not None:
         if quantization == "gguf":  # (not a GGUF file: quantize_model says what to do)
@@ -99,6 +102,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     # On the CPU in float32 every mode runs the kernels (fused elementwise ops, paged attention, and for
     # none float32 GEMMs in one summation order): batch invariant whatever the weights.
     kernels = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
+    if cfg.architecture in ENCODER_TYPES:
+        return _load_encoder(cfg, weights, tokenizer, max_model_len, quantization, device, dtype, kernels, tp, phase)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -120,5 +125,24 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
     model.eval()
     if reader is not None:
         release_file_pages(reader)  # the weights live in the model's own tensors now
+    phase("weights")
+    return LoadedModel(model, cfg, tokenizer, max_model_len, quantization)
+
+
+def _load_encoder(cfg: ModelConfig, weights, tokenizer: Tokenizer, max_model_len: int, quantization: str,
+                  device: torch.device, dtype: torch.dtype, kernels: bool, tp, phase) -> LoadedModel:
+    """A BERT-family encoder (models/bert.py): float weights, one rank."""
+    if quantization != "none":
+        raise ValueError(f"--quantization {quantization}: encoder models ({cfg.architecture}) run float weights; "
+                         "use --quantization none (or auto)")
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{cfg.architecture} encoders run on one rank: drop --tensor-parallel-size and "
+                         "--pipeline-parallel-size")
+    model = EncoderModel(cfg)
+    model.load_weights(weights)
+    model.to(device=device, dtype=dtype)
+    if kernels:
+        model.panel(cpu_kernels())
+    model.eval()
     phase("weights")
     return LoadedModel(model, cfg, tokenizer, max_model_len, quantization)
