@@ -483,13 +483,31 @@ BAD = [
     ("ch", {"messages": MSG, "model": "other"}, 404, "model"),
     ("ch", {"messages": MSG, "temperature": -1}, 400, "temperature"),
     ("big", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, None),
+    # the Responses API (tests/test_responses_api.py has its own)
+    ("r", b"{not json", 400, None),
+    ("r", {}, 400, "input"),
+    ("r", {"input": [{"role": "user", "content": 5}]}, 400, "input[0].content"),
+    ("r", {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ("r", {"input": "hi", "temperature": -1}, 400, "temperature"),
+    ("r", {"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ("r", {"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    # pooling endpoints on a generative model (tests/test_pooling.py has their own, on pooling models)
+    ("e", {"input": "hi"}, 400, "model"),
+    ("e", {}, 400, "input"),
+    ("e", {"input": "hi", "dimensions": 0}, 400, "dimensions"),
+    ("s", {"text_1": "a", "text_2": "b"}, 400, "model"),
+    ("s", {"text_1": "a"}, 400, "text_2"),
+    ("rr", {"query": "q", "documents": ["d"]}, 400, "model"),
+    ("rr", {"query": "q", "documents": "d"}, 400, "documents"),
 ]
+PATHS = {"ch": "/v1/chat/completions", "r": "/v1/responses", "e": "/v1/embeddings", "s": "/v1/score",
+         "rr": "/v1/rerank"}
 
 
 @pytest.mark.parametrize("endpoint,body,status,param", BAD,
                          ids=[f"{i}-{b[0]}-{b[3]}" for i, b in enumerate(BAD)])
 def test_bad_request_table(http, endpoint, body, status, param):
-    path = "/v1/chat/completions" if endpoint == "ch" else "/v1/completions"
+    path = PATHS.get(endpoint, "/v1/completions")
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     else:
@@ -542,6 +560,9 @@ json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "", "x"]),
                                            "content": st.one_of(st.text(max_size=30), json_values)}),
                     max_size=3)
+FIELDS_R = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "store",
+            "previous_response_id", "tools", "tool_choice", "text", "metadata", "user", "parallel_tool_calls",
+            "reasoning", "include", "truncation", "top_logprobs", "background", "top_k", "logit_bias"]
 
 
 def _body(fields: list[str], base: dict):
@@ -560,6 +581,12 @@ chat_bodies = st.one_of(
     _body(FIELDS_CH, {"messages": MSG, "max_tokens": 1}),
     st.fixed_dictionaries({"messages": messages, "max_tokens": st.integers(-1, 2), "stream": st.booleans()}),
     _body(FIELDS_CH, {}),
+)
+response_bodies = st.one_of(
+    _body(FIELDS_R, {"input": "Hi", "max_output_tokens": 1}),
+    st.fixed_dictionaries({"input": st.one_of(st.text(max_size=20), messages), "max_output_tokens": st.integers(-1, 2),
+                           "stream": st.booleans()}),
+    _body(FIELDS_R, {}),
 )
 
 
@@ -582,10 +609,16 @@ def _clip(body) -> object:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(endpoint=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), data=st.data())
+@given(endpoint=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]), data=st.data())
 def test_fuzz_request_schema_never_5xx(server, endpoint, data):
-    strategy = completion_bodies if endpoint == "/v1/completions" else chat_bodies
-    body = _clip(data.draw(st.one_of(strategy, json_values)))
+    strategy = {"/v1/completions": completion_bodies, "/v1/responses": response_bodies}.get(endpoint, chat_bodies)
+    body = data.draw(st.one_of(strategy, json_values))
+    if endpoint == "/v1/responses":
+        if isinstance(body, dict) and not (isinstance(body.get("max_output_tokens"), int) and
+                                           body["max_output_tokens"] <= 1):
+            body = {**body, "max_output_tokens": 1}  # absent means the whole context
+    else:
+        body = _clip(body)
     raw = json.dumps(body, allow_nan=True).encode()  # NaN / Infinity literals are part of the fuzz
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}",
                                                     "Content-Type": "application/json"}, timeout=120) as c:

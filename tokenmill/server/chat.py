@@ -118,10 +118,9 @@ class ChatMixin:
             raise bad_request("the chat template rendered an empty prompt", "messages")
         return ids
 
-    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        arrival = time.perf_counter()
-        self.check_serving()
-        model = self.check_model(req.model)
+    async def chat_prepare(self, req: ChatCompletionRequest) -> _Prepared:
+        """A chat request checked and rendered into its prompt, sampling parameters, tools and reasoning split,
+        ready to start (/v1/chat/completions and /v1/responses)."""
         if req.messages is None:
             raise bad_request("messages is required", "messages")
         if not req.messages:
@@ -166,6 +165,14 @@ class ChatMixin:
                          tool_choice=forced_name or (choice if tools else None), tool_parser=self.config.tool_call_parser,
                          tools=tools, reasoning=reasoning, kv_transfer_params=req.kv_transfer_params,
                          cache_salt=check_cache_salt(req.cache_salt))
+        return prep
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.perf_counter()
+        self.check_serving()
+        model = self.check_model(req.model)
+        prep = await self.chat_prepare(req)
+        params, ids = prep.params, prep.prompt_ids[0]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         await self.start(prep, request_id, req.priority or 0, arrival, req.slo_ttft_ms, req.slo_tpot_ms,
                          stream=bool(req.stream), headers=raw.headers)
