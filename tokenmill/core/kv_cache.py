@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -49,6 +50,8 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        # told of each cached block evicted for reuse, before its new owner writes it (the KV tier copies it out)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,6 +72,8 @@ class BlockPool:
                 del self.cached[h]
                 self.block_hash[b] = None
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
         return blocks
 
     def touch(self, blocks: list[int]) -> None:
@@ -183,14 +188,17 @@ class KVCacheManager:
     def drop_request_salt(self, request_id: str) -> None:
         self.request_salts.pop(request_id, None)
 
+    def prefix_block_hashes(self, request_id: str, token_ids: list[int]) -> list[bytes]:
+        """The hashes of the request's full blocks a prefix hit may cover (it leaves at least one token)."""
+        return self._block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+
     def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[int]:
         """Cached blocks of the longest cached prefix of ``token_ids``, leaving at least one
         token to compute (the request needs fresh logits). Changes no reference count."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
         blocks = []
-        for h in self._block_hashes(request_id, token_ids, max_blocks):
+        for h in self.prefix_block_hashes(request_id, token_ids):
             b = self.pool.cached.get(h)
             if b is None:
                 break

@@ -30,23 +30,29 @@ class RemoteKV:
         self._sends: list[KVSend] = []  # finished since take_sends
         self._cancelled: set[str] = set()  # aborted while receiving: blocks kept until the pull ends
         self.recompute_failed = True  # a failed pull: compute the prompt here (False: fail the request)
+        self._until: dict[str, int] = {}  # waiting: the tokens whose KV it has once its blocks are filled
 
     # ---- consumer ---------------------------------------------------------------------
 
-    def await_kv(self, req: Request, num_cached: int) -> KVRecv:
-        """The request waits for its prompt's KV in its reserved blocks: what the connector is to pull."""
+    def await_kv(self, req: Request, num_cached: int, num_tokens: int | None = None,
+                 block_hashes: list[bytes] = ()) -> KVRecv:
+        """The request waits for its prompt's KV (up to ``num_tokens``; all but the last prompt token by default)
+        in its reserved blocks: what the connector is to pull (``block_hashes``: read from the KV tier)."""
         kv = self.kv_cache
-        first, n = num_cached // kv.block_size, req.num_prompt_tokens - 1
+        first = num_cached // kv.block_size
+        n = req.num_prompt_tokens - 1 if num_tokens is None else num_tokens
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.WAITING_FOR_KV
         self.waiting[req.request_id] = req
+        self._until[req.request_id] = n
         return KVRecv(req.request_id, kv.block_tables[req.request_id][first:kv.blocks_needed(n)], first, n,
-                      req.prompt_token_ids, req.kv_transfer)
+                      req.prompt_token_ids, req.kv_transfer, list(block_hashes))
 
     def cancel(self, request_id: str) -> None:
         """Aborted while its KV arrives: the connector may be writing its blocks, so they are kept until the
         pull ends (``received``)."""
         del self.waiting[request_id]
+        self._until.pop(request_id, None)
         self._cancelled.add(request_id)
 
     def holds_blocks(self, request_id: str) -> bool:
@@ -62,9 +68,10 @@ class RemoteKV:
                 self._cancelled.discard(request_id)
                 self.kv_cache.free(request_id)
             return None
+        until = self._until.pop(request_id, req.num_prompt_tokens - 1)
         if error is None:
             req.kv_transfer = None  # received: preempted later, it recomputes like any request
-            req.num_computed_tokens = req.num_prompt_tokens - 1
+            req.num_computed_tokens = until
             self.kv_cache.cache_full_blocks(request_id, req.all_token_ids, req.num_computed_tokens)
         else:
             self.kv_cache.free(request_id)
