@@ -143,15 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tokenmill.server.args import add_router_args
 
-    r = sub.add_parser("router", help="prefill/decode disaggregation: one OpenAI endpoint in front of producer and "
-                       "consumer instances",
-                       description="Send each request's prefill to a `tokenmill serve --kv-role producer` instance "
-                                   "and its decode, with the KV pulled from the producer, to a `--kv-role consumer` "
+    r = sub.add_parser("router", help="one OpenAI endpoint in front of replicas (routed by prompt prefix or load) "
+                       "or of prefill/decode instances",
+                       description="With --replica: send each request to the replica most likely to hold its "
+                                   "prompt's prefix (--policy prefix), the least loaded or the next in turn. With "
+                                   "--prefill and --decode: send each request's prefill to a `tokenmill serve "
+                                   "--kv-role producer` instance and its decode, with the KV pulled from the producer, to a `--kv-role consumer` "
                                    "instance; the client sees one ordinary (streaming) response. Balances each leg by "
                                    "load (/metrics), retries a leg on another instance when one fails. /metrics has "
                                    "the router's own counters and the prefill / decode split of TTFT.")
     add_router_args(r)
-    r.set_defaults(func=_lazy("tokenmill.server.router", "run_router"))
+    r.set_defaults(func=_lazy("tokenmill.server.router_serving", "run_router"))
 
     b = sub.add_parser("bench", help="serving benchmark against any OpenAI-compatible server, or offline throughput")
     bsub = b.add_subparsers(dest="bench_command", required=True)
