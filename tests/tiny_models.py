@@ -51,6 +51,63 @@ def write_tokenizer_files(folder: Path) -> None:
         {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+@functools.cache
+def bert_tokenizer_json() -> str:
+    """A WordPiece tokenizer with BERT's template ([CLS] a [SEP] b [SEP], the second segment type 1)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=200, special_tokens=BERT_SPECIALS,
+                                                              show_progress=False))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return tok.to_str()
+
+
+def random_bert(kind: str = "bert", seed: int = 0, classifier: bool = False):
+    """A tiny transformers BertModel / XLMRobertaModel (or its ForSequenceClassification, one label), every
+    parameter random."""
+    import transformers
+
+    vocab = json.loads(bert_tokenizer_json())["model"]["vocab"]
+    common = dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=128, pad_token_id=0)
+    if kind == "bert":
+        config, base, head = (transformers.BertConfig(**common), transformers.BertModel,
+                              transformers.BertForSequenceClassification)
+    else:
+        config, base, head = (transformers.XLMRobertaConfig(**common, type_vocab_size=1),
+                              transformers.XLMRobertaModel, transformers.XLMRobertaForSequenceClassification)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = (head if classifier else base)(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 1))
+    return model
+
+
+def save_bert_folder(model, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    (folder / "tokenizer.json").write_text(bert_tokenizer_json())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizerFast"}))
+    return folder
+
+
 def gguf_tokenizer_fields() -> tuple[list[str], list[int], list[str]]:
     """tokens, token_type (1 normal, 3 control) and merges as llama.cpp stores a gpt2 tokenizer."""
     spec = json.loads(tokenizer_json())
@@ -78,6 +135,14 @@ FAMILY_DEFAULTS = {
     "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 5.0,
                "final_logit_softcapping": 10.0, "pad_token_id": 0},
     "phi3": {"sliding_window": 8, "pad_token_id": 0},
+    # Gemma 3: six layers (five local, one global), the global one's RoPE linearly scaled as the 4B+ models'
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "final_logit_softcapping": 10.0,
+               "num_hidden_layers": 6, "rope_parameters": {
+                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+    # SmolLM3: four layers, the fourth without RoPE
+    "smollm3": {"num_hidden_layers": 4, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 2,
+                "tie_word_embeddings": False},
     # mixtures of 8 experts, top 2 (Qwen2-MoE: top 4 of 8 with its shared expert and a dense layer)
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
@@ -93,6 +158,7 @@ def random_hf_model(arch: str = "llama", seed: int = 0, embed_std: float = 1.0, 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config,
            "phi3": transformers.Phi3Config, "mixtral": transformers.MixtralConfig,
+           "gemma3": transformers.Gemma3TextConfig, "smollm3": transformers.SmolLM3Config,
            "qwen2_moe": transformers.Qwen2MoeConfig, "olmoe": transformers.OlmoeConfig}[arch]
     config = cls(**{**BASE, **FAMILY_DEFAULTS.get(arch, {}), **overrides})
     torch.manual_seed(seed)
@@ -157,12 +223,14 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# llama.cpp's names where a family differs (gemma2's four norms, phi3's fused tensors)
+# llama.cpp's names where a family differs (gemma2/3's four norms, phi3's fused tensors)
 _GGUF_ARCH_LAYER = {
     "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
 }
+_GGUF_ARCH_LAYER["gemma3"] = _GGUF_ARCH_LAYER["gemma2"]
+GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}  # transformers' model_type -> llama.cpp's architecture
 _GGUF_LAYER.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
 
 
@@ -247,10 +315,53 @@ def llama_metadata(config) -> dict:
         "attention.head_count": config.num_attention_heads,
         "attention.head_count_kv": config.num_key_value_heads,
         "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps),
-        "rope.freq_base": float(config.rope_parameters["rope_theta"]),
+        "rope.freq_base": float(global_rope(config)["rope_theta"]),
         "rope.dimension_count": head_dim(config), "vocab_size": config.vocab_size,
     }
     return meta
+
+
+def global_rope(config) -> dict:
+    """The RoPE parameters of the global layers (Gemma 3 keeps one set per layer type)."""
+    rope = config.rope_parameters
+    return rope.get("full_attention", rope)
+
+
+def rope_gguf_metadata(config) -> tuple[dict, dict]:
+    """The RoPE metadata (and tensors) llama.cpp's converter writes for ``config``: TextModel.set_gguf_parameters'
+    freq_base (the global layers'), freq_base_swa, linear and YaRN keys; Phi3MiniModel's rotated dims, original
+    context, attn_factor and rope_factors_long/short tensors (it writes no rope.scaling.type). Dynamic NTK has no
+    GGUF form: the converter writes nothing for it."""
+    import gguf
+
+    rope, meta, tensors = global_rope(config), {}, {}
+    meta["rope.freq_base"] = float(rope["rope_theta"])
+    if "sliding_attention" in config.rope_parameters:
+        meta["rope.freq_base_swa"] = float(config.rope_parameters["sliding_attention"]["rope_theta"])
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if kind == "linear":
+        meta.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(factor)})
+    elif kind == "yarn":
+        meta.update({"rope.scaling.type": "yarn", "rope.scaling.factor": float(factor),
+                     "rope.scaling.original_context_length": rope["original_max_position_embeddings"]})
+        for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                          ("yarn_beta_slow", "beta_slow")):
+            if rope.get(name) is not None:
+                meta[f"rope.scaling.{key}"] = float(rope[name])
+    if config.model_type == "phi3":
+        n_embd, n_head = config.hidden_size, config.num_attention_heads
+        max_pos = config.max_position_embeddings
+        orig = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                         max_pos)
+        meta["rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head
+        meta["rope.scaling.original_context_length"] = orig
+        if rope.get("long_factor"):
+            scale = max_pos / orig
+            meta["rope.scaling.attn_factor"] = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+            for which in ("long", "short"):
+                tensors[f"rope_factors_{which}.weight"] = (np.array(rope[f"{which}_factor"], dtype=np.float32),
+                                                           gguf.GGMLQuantizationType.F32)
+    return meta, tensors
 
 
 def llama3_rope_factors(config) -> np.ndarray:
@@ -281,14 +392,14 @@ def hf_to_gguf_tensors(model, types=None, permute: bool = True) -> dict[str, tup
     import gguf
 
     cfg = model.config
-    arch = {"mistral": "llama"}.get(cfg.model_type, cfg.model_type)
-    permute = permute and arch == "llama"  # llama.cpp permutes q/k for its interleaved RoPE in llama files only
+    arch = GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+    permute = permute and arch in ("llama", "smollm3")  # llama.cpp permutes q/k for its interleaved RoPE there only
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = t.detach().float().numpy()
-        if arch == "gemma2" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's norms as multipliers (transformers: 1 + w)
         if permute and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)

@@ -76,6 +76,7 @@ def stage_config(cfg: ModelConfig, first: int, last: int) -> ModelConfig:
     """The config of a stage holding layers [first, last): its layer count and per-layer settings."""
     return dataclasses.replace(cfg, num_layers=last - first,
                                layer_windows=cfg.layer_windows[first:last] if cfg.layer_windows else (),
+                               no_rope_layers=cfg.no_rope_layers[first:last],
                                dense_layers=tuple(i - first for i in cfg.dense_layers if first <= i < last))
 
 

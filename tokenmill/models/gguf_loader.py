@@ -15,9 +15,14 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.models.bert import encoder_gguf_config, encoder_gguf_name
 from tokenmill.models.gguf_reader import GGUFError, open_gguf  # noqa: F401 -- re-exported
+from tokenmill.models.rope_config import gguf_rope_fields, tensor_values
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "phi3")  # (Mistral's files say "llama")
+# (Mistral's files say "llama")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "bert")
+_PERMUTED = ("llama", "smollm3")  # where llama.cpp's converter permutes q/k rows for its interleaved RoPE
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")  # (read as config)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Every type gguf-py dequantizes that llama.cpp's quantize recipes write for weights (the K_M/K_S mixes
 # included). IQ* (importance-matrix codebooks), TQ* and MXFP4 are refused with this list.
@@ -37,12 +42,16 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3: fused in the checkpoint already
 }
-# where a family names a tensor differently: Gemma 2's four norms, Phi-3's fused gate/up (its "ffn_up")
+# where a family names a tensor differently: Gemma 2/3's four norms, Phi-3's fused gate/up (its "ffn_up")
 _ARCH_LAYER_NAMES = {
     "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
 }
+_ARCH_LAYER_NAMES["gemma3"] = _ARCH_LAYER_NAMES["gemma2"]
+_GEMMA = ("gemma2", "gemma3")
+# llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last (4, rank, is a classifier: refused)
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -89,47 +98,71 @@ def gguf_model_config(reader) -> ModelConfig:
         if "tokenizer.ggml.tokens" not in reader.fields:
             raise GGUFError(f"GGUF file has no tokenizer (tokenizer.ggml.tokens) and no {arch}.vocab_size")
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    scaling = None
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    if kind == "linear":
-        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-    elif kind not in (None, "none"):
-        raise GGUFError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, rope_freqs tensors)")
-    if "rope_freqs.weight" in tensors:
-        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        scaling = {"rope_type": "freq_factors", "factors": torch.from_numpy(np.array(factors.data, dtype=np.float32))}
-    windows = ()
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
-    if window:  # Gemma 2 slides on even layers (llama.cpp's pattern), other families on every layer
-        windows = tuple(window if arch != "gemma2" or i % 2 == 0 else 0 for i in range(int(need("block_count"))))
-    gemma = arch == "gemma2"
+    pooling = _gguf_pooling(int(_field(reader, f"{arch}.pooling_type", 0) or 0))
+    if arch == "bert":  # an encoder (models/bert.py)
+        extra = {"vocab_size": vocab, "token_type_count": _field(reader, "tokenizer.ggml.token_type_count")}
+        try:
+            return encoder_gguf_config(lambda k: extra[k] if k in extra else _field(reader, f"bert.{k}"), pooling)
+        except ValueError as e:
+            raise GGUFError(str(e)) from None
+    layers, gemma = int(need("block_count")), arch in _GEMMA
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    # llama.cpp's Gemma 2 scale: 1/sqrt(head_dim), except the 27B (46 layers) which uses hidden/heads
-    query_scale = ((hidden // heads if int(need("block_count")) == 46 else head_dim) ** -0.5) if gemma else None
+    try:
+        rope = gguf_rope_fields(lambda key: _field(reader, f"{arch}.{key}"), arch, head_dim, layers,
+                                int(need("context_length")), lambda name: tensor_values(reader, name))
+    except (KeyError, TypeError, ValueError) as e:
+        raise GGUFError(f"GGUF RoPE metadata: {e}") from None
+    # llama.cpp's Gemma 2/3 scale: 1/sqrt(head_dim), except the 27Bs (46, 62 layers) which use hidden/heads
+    big = {"gemma2": 46, "gemma3": 62}.get(arch) == layers
+    query_scale = ((hidden // heads if big else head_dim) ** -0.5) if gemma else None
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        max_position_embeddings=int(need("context_length")),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        **rope,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         qk_norm=_qk_norm(reader, head_dim),
-        layer_windows=windows,
+        layer_windows=_windows(reader, arch, layers, rope["max_position_embeddings"]),
         hidden_act="gelu_tanh" if gemma else "silu",
         sandwich_norms=gemma,
         embed_scale=hidden ** 0.5 if gemma else 1.0,
         query_scale=query_scale,
         attn_logit_softcap=_field(reader, f"{arch}.attn_logit_softcapping") if gemma else None,
         final_logit_softcap=_field(reader, f"{arch}.final_logit_softcapping") if gemma else None,
+        pooling_type=pooling,
     )
+
+
+def _windows(reader, arch: str, layers: int, context: int) -> tuple[int, ...]:
+    """Each layer's sliding window, by llama.cpp's rules: Gemma 2 slides on even layers, Gemma 3 on five of
+    every six (or as attention.sliding_window_pattern says: a period, or a flag per layer), other families
+    on every layer. A window as long as the context never bites: dropped (full attention)."""
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    if not window or window >= context:
+        return ()
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch, 1))
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise GGUFError(f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} "
+                            "layers")
+        return tuple(window if slides else 0 for slides in pattern)
+    n = int(pattern)  # llama.cpp's set_swa_pattern(n): the last layer of every n attends globally
+    return tuple(window if n <= 1 or i % n < n - 1 else 0 for i in range(layers))
+
+
+def _gguf_pooling(kind: int) -> str:
+    if kind == 4:
+        raise GGUFError("GGUF pooling_type 4 (rank: a reranker's classification head) is not supported; a decoder "
+                        "reranker that scores a yes/no token runs from its generative file with --task score "
+                        "--classifier-from-token no,yes")
+    return _GGUF_POOLING.get(kind, "")
 
 
 def _qk_norm(reader, head_dim: int) -> str:
@@ -170,16 +203,16 @@ def gguf_weights(reader, cfg: ModelConfig,
     """Every tensor as float32 under its Hugging Face name; those named in ``skip`` (kept as quantized
     blocks, so never read as floats) come as None: not dequantized, not copied anywhere."""
     for t in reader.tensors:
-        name = _hf_name(t.name, cfg.architecture)
+        name = encoder_gguf_name(t.name) if cfg.architecture == "bert" else _hf_name(t.name, cfg.architecture)
         if name is None:
-            if t.name == "rope_freqs.weight":
+            if t.name in _ROPE_TENSORS:
                 continue
             raise GGUFError(f"GGUF tensor {t.name!r} is not understood for architecture {cfg.architecture}")
         if name in skip:
             yield name, None
             continue
         w = dequantize(t)
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.architecture in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             if w.shape[0] != heads * cfg.head_dim:  # else the un-permute's reshape fails obscurely
                 raise GGUFError(f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}, expected "
@@ -235,7 +268,7 @@ def gguf_quantized_weights(reader, cfg: ModelConfig) -> LazyBlocks:
     made when looked up (LazyBlocks), over the file's mapped bytes where nothing is converted."""
     makers = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, cfg.architecture)
+        name = encoder_gguf_name(t.name) if cfg.architecture == "bert" else _hf_name(t.name, cfg.architecture)
         if t.tensor_type.name in KEPT_TYPES and name is not None and len(t.shape) == 2:
             makers[name] = lambda t=t, name=name: _quantized(t, name, cfg)
     return LazyBlocks(makers)
@@ -252,6 +285,6 @@ def _quantized(t, name: str, cfg: ModelConfig):
             raw = q4_0_to_q4_1(raw, k)
         except ValueError as e:
             raise GGUFError(f"tensor {t.name}: {e}; load it with --quantization int8 or none") from None
-    if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if cfg.architecture in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
         raw = _undo_rope_permute(raw, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
     return QuantizedTensor(raw.contiguous(), KEPT_TYPES[kind], (n, k))

@@ -1,7 +1,9 @@
 """The decoder-only transformer every supported family runs on: Llama 2/3, SmolLM2, Mistral (sliding
 window), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 (sandwich norms, GELU, embedding scale,
-logit soft-capping, alternating sliding window) and Phi-3 (fused checkpoints). ModelConfig says which
-extras a model has; the code below is one definition with those switches, not one class per family.
+logit soft-capping, alternating sliding window), Gemma 3 (Gemma 2's extras, q/k norms, 5:1 local/global
+layers with two RoPE bases), Phi-3 (fused checkpoints; Phi-3.5/Phi-4-mini: partial RoPE, longrope) and
+SmolLM3 (no RoPE on every fourth layer). ModelConfig says which extras a model has; the code below is one
+definition with those switches, not one class per family.
 
 Runs over a flat batch of T tokens from many requests at once; attention goes through the
 paged-KV backend. Weights arrive under Hugging Face names and are fused on load:
@@ -66,6 +68,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d if per_head else self.h * self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d if per_head else self.hkv * self.d, cfg.rms_norm_eps)
         self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        self.rot = cfg.rope_dim  # < d: partial rotary, which the fused RoPE kernel (whole heads) cannot run
         self.scale, self.window, self.softcap = cfg.attention_scale, cfg.window(layer), cfg.attn_logit_softcap
         self.backend = backend
         self.ops = None
@@ -85,11 +88,12 @@ class Attention(nn.Module):
             qkv[:, : qk * self.d] = torch.cat([q_n, k_n], dim=1)
         if self.clip:
             qkv.clamp_(-self.clip, self.clip)
-        if self.ops is not None:  # rotate q and k heads in one call
+        fused_rope = self.ops is not None and self.rot == self.d
+        if fused_rope:  # rotate q and k heads in one call
             self.ops.rope_(qkv, rope_tables[0], rope_tables[1], qk, self.d)
         q, k, v = qkv.split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k = q.view(t, self.h, self.d), k.view(t, self.hkv, self.d)
-        if self.ops is None:
+        if not fused_rope:
             q, k = RotaryEmbedding.apply(q, k, *rope_tables)
         o = self.backend.forward(q, k, v.view(t, self.hkv, self.d), kv, meta,
                                  scale=self.scale, window=self.window, softcap=self.softcap)  # [T, H, D]
@@ -165,9 +169,11 @@ class DecoderLayer(nn.Module):
                                  MLP(cfg.hidden_size, shared) if shared else None, experts=experts, tp=tp)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        # which RoPE tables this layer takes (LlamaForCausalLM.run_layers): global, Gemma 3's local, or none
+        self.rope_kind = cfg.rope_kind(layer)
         # the halves the fused kernels can run: no extras (their weights are checked in fused_halves)
         a = self.self_attn
-        self._plain = (not (cfg.qk_norm or cfg.clip_qkv or a.window or a.softcap or self.sandwich),
+        self._plain = (not (cfg.qk_norm or cfg.clip_qkv or a.window or a.softcap or self.sandwich or a.rot != a.d),
                        not (self.moe or self.mlp.gelu or self.sandwich))
         self.fuse = True  # LlamaForCausalLM.set_layer_fusion: False runs every half op by op
         self.ops = None
@@ -259,9 +265,12 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(rows, cfg.hidden_size))  # (no random init)
         self.attention_backend = backend  # (one instance, shared by every layer)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_layers))
+        self._rope_kinds = sorted({layer.rope_kind for layer in self.layers})  # the RoPE tables a step makes
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, rows, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_local = None if cfg.rope_local_base_freq is None else \
+            RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_local_base_freq, None)  # Gemma 3's sliding layers
         self.head: nn.Module | None = None  # a quantized output head (models/quantize.py), else the float one
         self.ops = None
         self._layer_stack: tuple | None = None  # forward_layers' arguments (see _fused_layers)
@@ -288,10 +297,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_layers(self, x, rope_tables, kv_caches, meta) -> torch.Tensor | None:
         """All decoder layers of a step in one kernel call (``forward_layers``: the layers' fused halves
-        in a C++ loop, without the Python between them), where every half of every layer is fused and
-        there are no collectives between them (one process); None otherwise."""
-        if self.tp is not None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches):
+        in a C++ loop, without the Python between them), where every half of every layer is fused, every
+        layer takes the same RoPE tables, and there are no collectives between them (one process); None
+        otherwise."""
+        if self.tp is not None or x.dtype != torch.float32 or any(len(kv) != 2 for kv in kv_caches) \
+                or len(rope_tables) != 1:
             return None
+        rope_tables = next(iter(rope_tables.values()))
         if self._layer_stack is None:
             halves = [layer.fused_halves() for layer in self.layers]
             ok = all(a is not None and m is not None for a, m in halves)
@@ -312,9 +324,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, ...]],  # per layer; see layers/attention.py
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]: rows of the batch that need next-token logits
-    ) -> torch.Tensor:  # [N, V] float32
+        hidden_indices: torch.Tensor | None = None,  # [M]: rows whose final hidden states pooling requests need
+    ):  # [N, V] float32; with hidden_indices ([N, V] logits, [M, H] normed hidden states)
         x = self.run_layers(self.embed(input_ids), positions, kv_caches, meta)
-        return self.compute_logits(x, logits_indices)
+        if hidden_indices is None:
+            return self.compute_logits(x, logits_indices)
+        return self.compute_logits(x, logits_indices), self.norm(x[hidden_indices]).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_parallel(input_ids)
@@ -324,16 +339,26 @@ class LlamaForCausalLM(nn.Module):
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """The decoder layers this model holds (all of them, or a pipeline stage's) over hidden states x."""
-        rope_tables = self.rope.tables(positions)
-        if self.ops is not None:
-            rope_tables = (rope_tables[0].squeeze(1), rope_tables[1].squeeze(1))  # [T, D/2] for the kernel
-        fused = self._fused_layers(x, rope_tables, kv_caches, meta)
+        tables = {kind: self._rope_tables(kind, positions) for kind in self._rope_kinds}
+        fused = self._fused_layers(x, tables, kv_caches, meta)
         if fused is not None:
             x = fused
         else:
             for layer, kv in zip(self.layers, kv_caches):
-                x = layer(x, rope_tables, kv, meta)
+                x = layer(x, tables[layer.rope_kind], kv, meta)
         return x
+
+    def _rope_tables(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin per token for the layers of one RoPE kind ([T, 1, R/2]; [T, R/2] for the kernels). A NoPE
+        layer's are cos 1, sin 0: rotating by them leaves q and k exactly as they are, so the fused kernels
+        run it too."""
+        if kind == "none":
+            cos = torch.ones(positions.shape[0], 1, self.rope.cos.shape[1], dtype=torch.float32,
+                             device=self.rope.cos.device)
+            sin = torch.zeros_like(cos)
+        else:
+            cos, sin = (self.rope if kind == "global" else self.rope_local).tables(positions)
+        return (cos.squeeze(1), sin.squeeze(1)) if self.ops is not None else (cos, sin)
 
     def compute_logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:  # [N, V] float32
         # The output head is the largest GEMM: run it only where a token is sampled.
@@ -432,6 +457,9 @@ class LlamaForCausalLM(nn.Module):
             if n == params[key].shape[0] * (2 if key.endswith("w_gate_up") else 1):
                 loaded.add(key)
         missing = set(params) - loaded - kept
+        if missing == {"lm_head.weight"} and self.cfg.pooling_type:  # an embedder saved without its head
+            self.lm_head = None
+            missing = set()
         if pending or missing:
             raise ValueError(f"checkpoint is incomplete: missing {sorted(missing | set(pending))[:8]}")
 
