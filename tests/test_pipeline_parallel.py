@@ -320,3 +320,22 @@ def test_flags_and_refusals():
     assert EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel.world_size == 4
     with pytest.raises(ValueError, match="--pipeline-parallel-size must be a positive integer"):
         EngineConfig.from_kwargs(pipeline_parallel_size=0)
+
+
+def test_every_point_to_point_pair_is_opened_at_startup():
+    """NCCL creates a pair's communicator at its first send or receive, blocking both ranks: the stages open
+    theirs at startup (TPGroup.warm_up) and any other pair raises (the tests above run every pass through
+    that check, on gloo, in NCCL's call sequence). TP 2 x PP 3: the chain to each counterpart, the return lines
+    from each later stage's first rank to rank 0."""
+    from types import SimpleNamespace
+
+    from tokenmill.distributed.group import TPGroup, pipeline_pairs
+
+    assert pipeline_pairs(0, 6, 3) == {("compute", 2), ("back", 2), ("back", 4)}
+    assert pipeline_pairs(3, 6, 3) == {("compute", 1), ("compute", 5)}
+    assert pipeline_pairs(4, 6, 3) == {("compute", 2), ("back", 0)}
+    assert pipeline_pairs(1, 6, 3) == {("compute", 3)}  # (rank 1 sends nothing back: its stage's first does)
+    group = SimpleNamespace(rank=1, warmed=pipeline_pairs(1, 6, 3))
+    TPGroup._check_pair(group, "compute", 3)
+    with pytest.raises(RuntimeError, match="NCCL would create its communicator mid-step"):
+        TPGroup._check_pair(group, "back", 0)

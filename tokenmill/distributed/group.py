@@ -8,6 +8,14 @@ made, shut down and made again in one process. gloo on the CPU, NCCL on GPUs: th
 Two groups share the store: ``compute`` for the forward pass's collectives, with a timeout
 ($TOKENMILL_TP_TIMEOUT_S, default 300 s, read when the group is made) after which a hung rank makes the step fail, and ``control``
 for the driver's step messages, which a worker waits on for as long as the engine sits idle.
+
+NCCL by design (the GPU path; gloo takes the same calls): the control group is gloo over host memory on GPUs
+too, so an idle worker waits in a socket read, never spinning in a device sync, and a message's length is read
+without one. NCCL creates a pair's point-to-point communicator lazily, blocking both ranks until the other
+side posts, so pipeline stages ``warm_up`` every pair they will use at startup, in a deadlock-free order (the
+forward chain stage by stage, then each stage's return line to rank 0); every later send or receive checks
+its pair was warmed and raises otherwise, so the CPU tests (gloo, the same call sequence) catch an order
+that would hang on NCCL.
 """
 
 from __future__ import annotations
@@ -19,6 +27,20 @@ import time
 import torch
 import torch.distributed as dist
 
+
+
+def pipeline_pairs(rank: int, size: int, num_stages: int) -> set[tuple[str, int]]:
+    """The (group, peer) pairs rank ``rank`` of a pipeline uses: its neighbours on the forward chain, and the
+    return lines between rank 0 and each later stage's first rank."""
+    t = size // num_stages
+    stage = rank // t
+    pairs = {("compute", rank - t)} if stage > 0 else set()
+    pairs |= {("compute", rank + t)} if stage < num_stages - 1 else set()
+    if rank == 0:
+        pairs |= {("back", s * t) for s in range(1, num_stages)}
+    elif rank % t == 0:
+        pairs.add(("back", 0))
+    return pairs
 
 
 def compute_timeout_s() -> float:
@@ -60,7 +82,7 @@ class TPGroup:
             torch.cuda.set_device(device)
         self.compute = _new_group(dist.PrefixStore("compute/", store), rank, size, device,
                                   datetime.timedelta(seconds=compute_timeout_s()))
-        self.control = _new_group(dist.PrefixStore("control/", store), rank, size, device, IDLE_TIMEOUT)
+        self.control = _new_group(dist.PrefixStore("control/", store), rank, size, torch.device("cpu"), IDLE_TIMEOUT)
         # Pipeline stages: what goes back to rank 0 (logits, expert counts) on a group of its own, so that
         # each direction keeps its order on a communicator of its own (NCCL matches a pair's sends and
         # receives in the order they are posted, whatever their tags; rank 0 posts a step's receives
@@ -76,7 +98,31 @@ class TPGroup:
         self.message_seq = self.forward_seq = -1
         self.pending_sends: list = []  # a stage's sends of its last forward pass
         self.stage_expert_counts: dict[int, list[list[int]]] = {}  # rank 0: later stages' routed tokens
+        self.warmed: set[tuple[str, int]] | None = None  # pipeline: the (group, peer) pairs warm_up opened
         self.reset_counters()
+
+    def warm_up(self) -> None:
+        """Open every point-to-point pair a pipeline pass uses, in an order that cannot deadlock while NCCL
+        creates each pair's communicator: the forward chain (stage s receives from s - 1, then sends to s + 1,
+        each rank with its counterpart), then the return lines (each later stage's first rank to rank 0, in
+        stage order: the last stage's logits, every stage's expert counts)."""
+        t = self.size // self.num_stages
+        one = torch.zeros(1, device=self.device)
+        if self.stage > 0:
+            self.compute.recv([one], self.rank - t, 0).wait()
+        if self.stage < self.num_stages - 1:
+            self.compute.send([one], self.rank + t, 0).wait()
+        if self.rank == 0:
+            for s in range(1, self.num_stages):
+                self.back.recv([one], s * t, 0).wait()
+        elif self.rank % t == 0:
+            self.back.send([one], 0, 0).wait()
+        self.warmed = pipeline_pairs(self.rank, self.size, self.num_stages)
+
+    def _check_pair(self, name: str, peer: int) -> None:
+        if self.warmed is not None and (name, peer) not in self.warmed:
+            raise RuntimeError(f"rank {self.rank}: a point-to-point {name} op with rank {peer}, a pair warm_up did "
+                               "not open (NCCL would create its communicator mid-step, blocking, and could hang)")
 
     def reset_counters(self) -> None:
         self.all_reduce_bytes = self.all_gather_bytes = self.send_bytes = 0
@@ -90,10 +136,12 @@ class TPGroup:
         x = x.contiguous()
         self.send_bytes += x.numel() * x.element_size()
         self.send_calls += 1
+        self._check_pair("back" if back else "compute", dst)
         return (self.back if back else self.compute).send([x], dst, tag)
 
     def recv(self, buf: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         """Receive rank ``src``'s tensor into ``buf`` (its shape and dtype known to both sides)."""
+        self._check_pair("compute", src)
         t = time.perf_counter()
         self.compute.recv([buf], src, tag).wait()
         self.recv_wait_s += time.perf_counter() - t
@@ -101,26 +149,27 @@ class TPGroup:
 
     def irecv_back(self, buf: torch.Tensor, src: int, tag: int):
         """Rank 0: start receiving rank ``src``'s tensor sent ``back`` into ``buf``; wait() completes it."""
+        self._check_pair("back", src)
         return self.back.recv([buf], src, tag)
 
     def send_message(self, data: bytes, dsts: list[int], seq: int) -> list:
         """Start sending the driver's message ``data`` (msgpack) to ranks ``dsts`` on the control group: its
         length, then its bytes. ``seq`` numbers the driver's messages (tags, so several can be in flight);
         returns [(work, buffer)] to wait on before the buffers may go."""
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        n = torch.tensor([len(data)], dtype=torch.int64)  # (the control group is gloo: host tensors)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         tag = 2 * (seq % 2**20)
         return [ws for dst in dsts for ws in ((self.control.send([n], dst, tag), n),
                                                (self.control.send([buf], dst, tag + 1), buf))]
 
     def recv_message(self, seq: int) -> bytes:
         """The driver's message number ``seq`` (send_message), waiting as long as the engine idles."""
-        n = torch.empty(1, dtype=torch.int64, device=self.device)
+        n = torch.empty(1, dtype=torch.int64)
         tag = 2 * (seq % 2**20)
         self.control.recv([n], 0, tag).wait()
-        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
         self.control.recv([buf], 0, tag + 1).wait()
-        return buf.cpu().numpy().tobytes()
+        return buf.numpy().tobytes()
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
@@ -153,8 +202,8 @@ class TPGroup:
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """The driver's ``data`` on every rank (workers pass None): the length first, then the bytes, as
-        uint8 tensors on the control group (messages are msgpack, never pickle)."""
-        dev = self.device
+        uint8 tensors on the control group (messages are msgpack, never pickle; host tensors: it is gloo)."""
+        dev = torch.device("cpu")
         # The driver sends under the compute timeout (a hung worker fails the step); a worker waits for
         # as long as the engine idles (the control group's own timeout).
         wait = dict(timeout=datetime.timedelta(seconds=compute_timeout_s())) if self.rank == 0 else {}
@@ -167,4 +216,4 @@ class TPGroup:
             buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
         if buf.numel():
             self.control.broadcast(buf, 0, **wait).wait()
-        return buf.cpu().numpy().tobytes()
+        return buf.numpy().tobytes()

@@ -42,6 +42,7 @@ def new_group(config: EngineConfig, store, rank: int, device: torch.device) -> T
         if t > 1:
             group.tensor = TPGroup(dist.PrefixStore(f"stage{group.stage}/", store), rank % t, t, device,
                                    par.enable_expert_parallel, False, par.all2all_backend)
+        group.warm_up()  # (every rank makes its group at startup: the pairs open before the first step)
     return group
 
 

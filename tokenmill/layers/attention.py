@@ -2,7 +2,8 @@
 
 The runner lays the batch out as [decode tokens (one per request) | prefill chunks] and builds one
 AttentionMetadata a step, which holds what each backend reads. Two backends, in a registry chosen by
-``--attention-backend`` (``auto``: ``cpu`` where the CPU kernels run the model, else ``torch``):
+``--attention-backend`` (layers/backends.py; ``auto``: ``cpu`` where the CPU kernels run the model, else
+``torch``):
 - ``cpu`` (CPUPagedAttention): with float32 activations every token (decode or prefill alike) goes through
   one call, ``torch.ops.tokenmill.paged_attention``, which reads the blocks in place (a quantized cache's
   rows dequantized as it reads them) and reduces each token's context in fixed parts: a token's output
@@ -19,7 +20,8 @@ Per layer, attention takes the model's softmax scale, a sliding window (a token 
 ``window`` positions: Mistral, Gemma 2, Phi-3) and a soft cap on the scores (Gemma 2), in the kernel
 and in the torch path alike.
 
-A GPU backend (flashinfer) plugs into ATTENTION_BACKENDS beside these two.
+A third, ``flex`` (layers/flex_attention.py), reads the blocks in place through torch's FlexAttention; a GPU
+backend (flashinfer) plugs into the registry (layers/backends.py) beside them.
 
 A layer's cache is ``(k_cache, v_cache)`` in the model dtype, or, with ``--kv-cache-dtype int8|fp8``,
 ``(k_cache, v_cache, k_scale, v_scale)``: int8 values (or fp8 e4m3 bits stored as uint8) with one
@@ -222,23 +224,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv: tuple[torch.Tensor, ...], met
         kv[i + 2].view(-1, hkv).index_copy_(0, meta.slot_mapping, row_scale)
         fresh.append(dequantize_kv(values, row_scale, dtype))
     return fresh[0], fresh[1]
-
-
-# (config.py's ATTENTION_BACKEND_CHOICES lists these names for the flag; a test holds the two equal)
-ATTENTION_BACKENDS: dict[str, type[TorchPagedAttention]] = {"torch": TorchPagedAttention, "cpu": CPUPagedAttention}
-
-
-def get_backend(name: str = "auto", kernels: bool = False) -> TorchPagedAttention:
-    """The backend ``name`` names; ``auto``: ``cpu`` where the CPU kernels run the model (``kernels``), else
-    ``torch``."""
-    if name == "auto":
-        name = "cpu" if kernels else "torch"
-    if name == "cpu" and not kernels:
-        raise ValueError("--attention-backend cpu runs the CPU kernels' paged attention, which need float32 on the "
-                         "CPU with the kernels built (see the log's kernel line); use --attention-backend auto or "
-                         "torch")
-    try:
-        return ATTENTION_BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, "
-                         f"{', '.join(ATTENTION_BACKENDS)}") from None
