@@ -110,12 +110,14 @@ def test_only_the_command_line_and_the_live_replay_import_the_simulator():
 # one beside or above it. (The wire contract core/sched_output.py imports nothing of tokenmill, so the runner,
 # the drafters and the connector can read it while sitting above the scheduler.)
 PACKAGE_ORDER = [
+    {"pooling_params"},  # (a field of SamplingParams)
     {"config", "platform", "sampling_params", "outputs", "generation_config", "monitor", "version"},
     {"request", "structured_output", "perf"},
     {"distributed"},  # process groups, messages, sharding, pipeline stages: no model code
     {"layers"},
     {"tokenizer"},
     {"models"},
+    {"lora"},  # adapters (files, the wrapper layer, the pool and slots): around the model, below the scheduler
     {"core"},  # the scheduler, the KV pool, the contract
     {"spec_decode"},
     {"worker"},

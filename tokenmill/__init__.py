@@ -4,10 +4,12 @@
 an engine does, when it is built.
 """
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.version import __version__
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "LoRARequest",
+           "__version__"]
 
 
 def __getattr__(name: str):

@@ -6,12 +6,13 @@ import re
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TASKS = ("auto", "generate", "embed", "score")
 POLICIES = ("fcfs", "priority")
 SLO_POLICIES = ("shed", "queue")
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # --quantization (layers/quant.py)
 # "auto" (the default) resolves to one of them when the model loads (models/loader.py: resolve_quantization)
 # --attention-backend: auto resolves to cpu where the CPU kernels run the model, else torch (layers/attention.py)
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "flex")
 QUANTIZATION_CHOICES = ("auto",) + QUANTIZATIONS
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # --kv-cache-dtype (layers/attention.py)
 PREEMPTION_MODES = ("recompute", "swap")
@@ -19,11 +20,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a decoder-only transformer: the Llama family (Llama, SmolLM2,
-    Mistral), Qwen2/Qwen3, Gemma 2 and Phi-3. The fields after attention_bias are the few places where
+    """Architecture hyper-parameters of a decoder-only transformer: the Llama family (Llama, SmolLM2/3,
+    Mistral), Qwen2/Qwen3, Gemma 2/3 and Phi-3/Phi-4-mini. The fields after attention_bias are the few places where
     the families differ; their defaults are Llama's."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "phi3"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3" | "phi3" | "smollm3" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,7 +35,15 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    # as Hugging Face spells it: {"rope_type": "linear"|"llama3"|"yarn"|"dynamic"|"longrope", "factor": ..., ...}
+    # (the loaders fill in what the type needs: original_max_position_embeddings, longrope's factor)
+    rope_scaling: dict | None = None
+    rotary_dim: int = 0  # the leading dims of each head that RoPE rotates (Phi-4-mini: 96 of 128); 0: all of them
+    # Gemma 3: the RoPE base of the sliding-window layers (plain RoPE; rope_theta and rope_scaling are the global
+    # layers'); None: every layer takes rope_theta
+    rope_local_base_freq: float | None = None
+    # per layer, as SmolLM3's config says it: 1 where the layer applies RoPE, 0 where it has none (NoPE); empty: all 1
+    no_rope_layers: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     # RMSNorm on queries and keys before RoPE: "head" over each head (Qwen3), "all" over all of q and of
@@ -57,6 +66,15 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1 (Mixtral)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token also takes, sigmoid-gated
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model (Qwen2-MoE mlp_only_layers)
+    # an embedding model's pooling, as its files declare it (sentence-transformers' modules, GGUF pooling_type):
+    # "last" | "mean" | "cls"; "" for a model that declares none (a generative one)
+    pooling_type: str = ""
+    pooling_normalize: bool = True
+    # BERT-family encoders (models/bert.py): token types, RoBERTa's position offset, a classifier head
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    num_labels: int = 0
+    classifier_head: str = ""  # "" | "bert" (pooler + classifier) | "roberta" (dense + out_proj)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -65,16 +83,33 @@ class ModelConfig:
             )
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if self.no_rope_layers and len(self.no_rope_layers) != self.num_layers:
+            raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for {self.num_layers} layers")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and at most head_dim ({self.head_dim}), got {self.rotary_dim}")
         if self.qk_norm not in ("", "head", "all"):
             raise ValueError(f"qk_norm must be '', 'head' or 'all', got {self.qk_norm!r}")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported (supported: silu, gelu_tanh)")
+        if self.hidden_act not in ("silu", "gelu_tanh", "gelu"):
+            raise ValueError(f"hidden activation {self.hidden_act!r} is not supported "
+                             "(supported: silu, gelu_tanh, gelu)")
 
     @property
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    def rope_kind(self, layer: int) -> str:
+        """Which RoPE layer ``layer`` applies: "global" (rope_theta, rope_scaling), "local" (Gemma 3's sliding
+        layers: rope_local_base_freq) or "none" (a NoPE layer)."""
+        if self.no_rope_layers and not self.no_rope_layers[layer]:
+            return "none"
+        return "local" if self.rope_local_base_freq is not None and self.window(layer) else "global"
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window in tokens, 0 for full attention."""
@@ -91,8 +126,17 @@ class CacheConfig:
     kv_cache_memory: str | float = "0.1"
     enable_prefix_caching: bool = True  # share full KV blocks between requests with a common prefix
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8 (e4m3) with a scale per token and head
+    # a second KV tier on local disk (core/kv_tier.py): its size in GiB (None: off) and its directory (None: under
+    # the user's cache directory)
+    kv_offload_size: float | None = None
+    kv_offload_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offload_size is not None and not (isinstance(self.kv_offload_size, (int, float))
+                                                     and self.kv_offload_size > 0):
+            raise ValueError(f"--kv-offload-size must be positive GiB, got {self.kv_offload_size!r}")
+        if self.kv_offload_path is not None and self.kv_offload_size is None:
+            raise ValueError("--kv-offload-path needs --kv-offload-size (GiB of the directory the tier may use)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -205,6 +249,32 @@ class SpeculativeConfig:
         if self.speculative_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"--speculative-quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.speculative_quantization!r}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (``--enable-lora``; tokenmill/lora/): adapters on the attention and MLP projections, chosen
+    per request. ``max_loras``: adapters one step may run, each in a slot of the model's working set (vLLM's GPU
+    slots); ``max_cpu_loras``: adapters kept loaded in host memory (None: max_loras), least recently used out
+    first; ``max_lora_rank``: the largest rank an adapter may have."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise ValueError(f"--max-cpu-loras must be an integer >= --max-loras ({self.max_loras}), got {cpu!r}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 # --distributed-executor-backend: tokenmill starts the ranks itself (mp), or torchrun did (external_launcher)
@@ -324,12 +394,19 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # multi-LoRA serving (--enable-lora)
     # The step-cost model latency targets plan with: a `tokenmill profile` file; None: measured at startup
     step_cost_profile: str | None = None
     # Measure the device's roofline at startup (a GEMM and a streaming read: about 0.3 s and 256 MiB on a
     # CPU) for the utilization figures a server reports; `serve` sets it. Off, CoreInfo.roofline is a known
     # GPU's datasheet or None.
     measure_roofline: bool = False
+    # what the model serves: generate | embed | score; auto: embed where the model's files declare a pooling
+    # (an embedding model), score for a cross-encoder, else generate (engine/tasks.py)
+    task: str = "auto"
+    # a decoder reranker (the Qwen3-Reranker shape) under task score: its "no" and "yes" words, whose next-token
+    # probability at the prompt's end makes the score (vLLM's hf_overrides classifier_from_token)
+    classifier_from_token: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -344,6 +421,11 @@ class EngineConfig:
             raise ValueError(f"activation_precision must be int16 or int8, got {self.activation_precision!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.classifier_from_token is not None and len(self.classifier_from_token) != 2:
+            raise ValueError("classifier_from_token takes two words, the 'no' and the 'yes' one (e.g. no,yes), "
+                             f"got {self.classifier_from_token!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
 
@@ -353,7 +435,8 @@ class EngineConfig:
         kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
         parts = {}
         for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("speculative", SpeculativeConfig),
-                          ("parallel", ParallelConfig), ("kv_transfer", KVTransferConfig)):
+                          ("parallel", ParallelConfig), ("kv_transfer", KVTransferConfig),
+                          ("lora", LoRAConfig)):
             own = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         unknown = set(kwargs) - {f.name for f in fields(cls)}

@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +73,8 @@ class Request:
     cache_salt: str | None = None  # its own prefix-cache salt: shares blocks only with the same salt
     # prompt tokens found in the prefix cache at its first admission (-1: not admitted yet), vLLM's name
     num_cached_tokens: int = -1
+    pooled: list[float] | None = None  # a pooling request's vector (an embedding, or [score]), once computed
+    lora_request: LoRARequest | None = None  # its adapter (tokenmill/lora/); None: the base model
 
     def __post_init__(self) -> None:
         if not self.timings.arrival:

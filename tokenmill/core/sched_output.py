@@ -26,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     constraints: Any = None  # structured_output.RequestConstraints: a grammar, bad words
+    lora_request: Any = None  # lora.request.LoRARequest: the adapter its rows run with (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class KVRecv:
     first_block: int
     num_tokens: int
     prompt_token_ids: list[int]
-    remote: dict
+    remote: dict | None
+    # the KV tier on local disk (core/kv_tier.py) instead of a producer: the hashes of the blocks to read
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,22 @@ class KVTransferStats:
 
 
 @dataclass
+class KVOffloadStats:
+    """The KV tier on local disk (core/kv_tier.py) since the last step: blocks looked up in it at admission and
+    found, bytes read and written, each read's seconds (a request's blocks) and each write's (a step's evicted
+    blocks), files that failed their check, and the tier's size now."""
+
+    queries: int = 0
+    hits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: list[float] = field(default_factory=list)
+    write_seconds: list[float] = field(default_factory=list)
+    failures: int = 0
+    usage_bytes: int = 0
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -118,6 +137,10 @@ class SchedulerOutput:
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
     kv_recv: list[KVRecv] = field(default_factory=list)  # disaggregation: KV the connector is to pull
+    # the KV tier (core/kv_tier.py): cached blocks evicted for reuse this step, as (block, hash), to copy out before
+    # the forward pass and write to the tier; then the tier files to delete (by block hash) after those writes
+    kv_offload_store: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_offload_evict: list[bytes] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
@@ -139,3 +162,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
     # prompt logprobs, once a request's prompt is done: [None, {token: logprob, top...} per prompt token]
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # pooling requests whose prompt ended this step: their vector (an embedding, or [score])
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.fits import check_fits
@@ -46,6 +46,9 @@ from tokenmill.core.sched_output import (KVSend, ModelRunnerOutput, NewRequestDa
 from tokenmill.core.step_planner import FixedPlanner
 from tokenmill.request import Request, RequestStatus
 from tokenmill.core.draft_policy import update_acceptance
+
+if TYPE_CHECKING:
+    from tokenmill.core.kv_tier import KVTier
 
 
 # A request preempted this many times is promoted: it runs first and is the last victim (no thrash).
@@ -70,8 +73,11 @@ class Scheduler:
         self.finish_hooks: list[Callable[[str], None]] = []
         self.swapped: set[str] = set()  # preempted by swap: their KV waits in the runner's host memory
         self.remote_kv = RemoteKV(kv_cache)  # disaggregation: requests waiting for KV, blocks held to send
+        self.kv_tier: KVTier | None = None  # the KV tier on local disk (core/kv_tier.py), where one is on
         self._lanes = Lanes()  # pipeline parallelism's steps in flight (core/lanes.py)
         self.clock = time.perf_counter  # tests substitute a fake clock
+        # --max-loras: the distinct adapters the running requests may use (the runner's slots); None: no LoRA
+        self.max_loras: int | None = None
 
     @property
     def lanes(self) -> int:
@@ -168,6 +174,8 @@ class Scheduler:
         """Consumer: the connector filled the request's blocks (error None) or could not. On success it runs
         from its last prompt token; on failure it computes its prompt here (``remote_kv.recompute_failed``)
         or ends, aborted with the error: then it is returned, for the engine to report."""
+        if self.kv_tier is not None:
+            self.kv_tier.loaded(request_id, error)
         req = self.remote_kv.received(request_id, error)
         if req is None:
             return None
@@ -191,6 +199,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        if self.kv_tier is not None:  # blocks the pool evicts while this step is scheduled go to the tier
+            self.kv_tier.open_step()
         self.draft_s = 0.0  # seconds the drafter ran in this call (engine/utilization.py)
         now = self.clock()
         self.waiting.promote_starved(now)
@@ -231,19 +241,23 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while there is room. None if we just had to preempt.
         kv = self.kv_cache
         lane_room = self._lanes.room(self.running, len(self.waiting), lane)
+        skipped: list[Request] = []  # waiting for an adapter slot: the requests behind them may run (vLLM's rule)
         while self.waiting and not out.preempted_request_ids and not starved and budget > 0:
             if len(self.running) + len(self.waiting_for_kv) >= max_running:
                 break
             if lane_room <= 0:
                 break
             req = self.waiting[0]
+            if self.max_loras is not None and not self._lora_slot_free(req):
+                skipped.append(self.waiting.pop())
+                continue
             swapped = req.request_id in self.swapped
             if swapped:  # its KV comes back from host memory
                 hits, num_cached = [], req.num_computed_tokens
             else:  # a new or recompute-preempted request has no KV; its cached prefix needs no compute
-                # a cached prefix has no logits: a request that wants prompt logprobs computes it all
+                # a cached prefix has no logits or hidden states: a request wanting them computes it all
                 hits = (kv.get_computed_blocks(req.request_id, req.all_token_ids)
-                        if kv.enable_prefix_caching and req.sampling_params.prompt_logprobs is None else [])
+                        if kv.enable_prefix_caching and not req.sampling_params.needs_all_prompt_rows else [])
                 num_cached = len(hits) * kv.block_size
             if not swapped and wants_remote_prefill(req, num_cached):  # its KV comes from a producer
                 if kv.allocate_slots(req.request_id, req.num_prompt_tokens, hits) is None:
@@ -251,6 +265,19 @@ class Scheduler:
                 self.waiting.pop()
                 self._count_prefix_hits(req, num_cached)
                 out.kv_recv.append(self.remote_kv.await_kv(req, num_cached))
+                continue
+            tier = (self.kv_tier.lookup(req.request_id,
+                                        kv.prefix_block_hashes(req.request_id, req.all_token_ids)[len(hits):])
+                    if self.kv_tier is not None and not swapped and not req.sampling_params.needs_all_prompt_rows
+                    else [])
+            if tier:  # its next blocks are in the KV tier: read into reserved blocks while it waits (as remote KV)
+                num_tier = num_cached + len(tier) * kv.block_size
+                if kv.allocate_slots(req.request_id, num_tier, hits) is None:
+                    break
+                self.waiting.pop()
+                self._count_prefix_hits(req, num_cached)
+                self.kv_tier.admitted(req.request_id, reading=True)
+                out.kv_recv.append(self.remote_kv.await_kv(req, num_cached, num_tier, tier))
                 continue
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -266,6 +293,8 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if not swapped:
                 self._count_prefix_hits(req, num_cached)
+                if self.kv_tier is not None:
+                    self.kv_tier.admitted(req.request_id)
             req.status = RequestStatus.RUNNING
             if req.timings.first_scheduled is None:
                 req.timings.first_scheduled = now
@@ -277,7 +306,18 @@ class Scheduler:
             lane_room -= 1
             self._emit(req, num_new, out)
             budget -= num_new
+        for req in reversed(skipped):
+            self.waiting.add_preempted(req)  # back where they were
+        if self.kv_tier is not None:
+            self.kv_tier.close_step(out)
         return out
+
+    def _lora_slot_free(self, req: Request) -> bool:
+        """Whether ``req`` may join the running requests: no adapter, one of theirs, or a slot left."""
+        if req.lora_request is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_request.lora_int_id in running or len(running) < self.max_loras
 
     def _count_prefix_hits(self, req: Request, num_cached: int) -> None:
         kv = self.kv_cache
@@ -320,7 +360,8 @@ class Scheduler:
         if req.request_id not in self._known_to_runner:  # its first step: the runner learns of it
             self._known_to_runner.add(req.request_id)
             out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                                                   req.sampling_params, req.eos_token_ids, req.constraints))
+                                                   req.sampling_params, req.eos_token_ids, req.constraints,
+                                                   req.lora_request))
         start = req.num_computed_tokens
         needs_logits = start + num_new == req.num_tokens
         self._lanes.launched(req.request_id)
@@ -379,6 +420,8 @@ class Scheduler:
             elif s.needs_logits:
                 req.num_steps_without_drafts += 1
             status = None
+            if s.needs_logits and s.request_id in result.pooled:  # a pooling request's prompt is done
+                req.pooled, status = result.pooled[s.request_id], RequestStatus.FINISHED_STOPPED
             for token in tokens:
                 req.output_token_ids.append(token)
                 req.timings.token_times.append(now)

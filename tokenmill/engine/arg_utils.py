@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention: auto (default: cpu where the CPU kernels run the model, else torch); cpu "
                         "(the kernels' paged_attention reading the blocks in place, batch invariant, and whole "
                         "fused attention layers); torch (gathered blocks and scaled_dot_product_attention, CPU or "
-                        "GPU)")
+                        "GPU); flex (torch's FlexAttention over the pool in place: a mask per step from the block "
+                        "tables; compiled kernels on GPUs, torch's slow reference code on a CPU)")
     g.add_argument("--activation-precision", default=None, choices=["int16", "int8"],
                    help="the CPU kernels' activations, quantized per token and block of 32: int16 (default, or "
                         "TOKENMILL_ACTIVATIONS; within 1e-4 of float activations) or int8 (llama.cpp's 127 steps: "
@@ -41,6 +42,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the model dtype, default); int8 or fp8 (e4m3) with a float32 scale "
                         "per token and head: about 3.8x the tokens of a float32 cache in the same memory")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, default 16)")
+    g.add_argument("--kv-offload-size", type=float, default=None,
+                   help="a second KV tier on local disk, of this many GiB: prefix-cache blocks evicted from the pool "
+                        "are written there and read back on a hit instead of computed (same output bits); it "
+                        "outlives a restart (default: off; CPU, one rank)")
+    g.add_argument("--kv-offload-path", default=None,
+                   help="the KV tier's directory (default: tokenmill/kv under the user's cache directory); a "
+                        "subdirectory keyed by the model's files and KV layout, so no other model reads it")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step, prefill and decode together (default 256 with chunked "
@@ -86,8 +94,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="expert parallelism's dispatch and combine: allreduce, every rank routes every token to "
                         "its own experts and one all-reduce sums the layer (default); alltoall, each rank routes "
                         "its share of the tokens and all-to-alls send them to their experts' ranks and back")
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "score"],
+                   help="what the model serves: generate (completions, chat); embed (/v1/embeddings, and /v1/score "
+                        "as cosine similarity); score (/v1/score, /v1/rerank with a cross-encoder or a decoder "
+                        "reranker); auto (default): embed for a model whose files declare a pooling "
+                        "(sentence-transformers modules, GGUF pooling_type), score for a sequence classifier, "
+                        "else generate")
+    g.add_argument("--classifier-from-token", default=None, type=lambda v: tuple(v.split(",")),
+                   help="with --task score on a generative model (the Qwen3-Reranker shape): the 'no' and 'yes' "
+                        "words, e.g. no,yes; a pair's score is P(yes) of the two at the prompt's last token")
     add_speculative_args(g)
+    add_lora_args(g)
     add_latency_args(p)
+
+
+def add_lora_args(g: argparse._ArgumentGroup) -> None:
+    """Multi-LoRA serving (tokenmill/lora/; serve's --lora-modules names the adapters)."""
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders or GGUF LoRA files) on the attention and MLP projections, "
+                        "chosen per request (a request's model field; LoRARequest offline); one step mixes requests "
+                        "with different adapters and none, each with its alone-bits")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="adapters one step may run, each in a slot of the model's working set (default 1); a "
+                        "request whose adapter would need one more waits, and the least recently used slot is "
+                        "reloaded")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory, least recently used out first (default: --max-loras)")
 
 
 def add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +234,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 activation_precision=a.activation_precision, attention_backend=a.attention_backend,
                 max_model_len=a.max_model_len,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+                kv_offload_size=a.kv_offload_size, kv_offload_path=a.kv_offload_path,
                 max_num_batched_tokens=a.max_num_batched_tokens, enable_chunked_prefill=a.enable_chunked_prefill,
                 enable_prefix_caching=a.enable_prefix_caching, scheduling_policy=a.scheduling_policy,
                 preemption_mode=a.preemption_mode, starvation_timeout=a.starvation_timeout, seed=a.seed,
@@ -215,9 +249,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 pipeline_batches_in_flight=a.pipeline_batches_in_flight, all2all_backend=a.all2all_backend,
                 distributed_executor_backend=a.distributed_executor_backend,
                 enable_expert_parallel=a.enable_expert_parallel,
+                task=getattr(a, "task", "auto"), classifier_from_token=getattr(a, "classifier_from_token", None),
+                **{k: getattr(a, k) for k in LORA_FLAGS if hasattr(a, k)},
                 **{k: getattr(a, k) for k in KV_TRANSFER_FLAGS if hasattr(a, k)})
 
 
+LORA_FLAGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 KV_TRANSFER_FLAGS = ("kv_role", "kv_transport", "kv_host", "kv_port", "kv_transfer_timeout", "kv_load_failure_policy")
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.assembly import make_admission
 from tokenmill.engine.admission import AdmissionGate
@@ -32,6 +32,9 @@ from tokenmill.engine.streams import (AbortCommand, AddCommand, CallCommand, Eng
                                       EngineObserver, EngineSnapshot, QueueFullError, RequestStream, SLOShedError)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger("tokenmill.async_engine")
 IDLE_CHECK_S = 0.25  # while idle, how often the loop looks whether an engine core process is still alive
@@ -130,13 +133,14 @@ class AsyncEngine:
                           priority: int = 0, add_special_tokens: bool = True,
                           arrival_time: float | None = None, slo_ttft_ms: float | None = None,
                           slo_tpot_ms: float | None = None, kv_transfer_params: dict | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
         Raises ValueError (invalid or can never fit), QueueFullError, SLOShedError, EngineDrainingError
         or EngineDeadError. ``arrival_time`` (time.perf_counter) is when the request really arrived,
         e.g. when its HTTP request was received; the latency metrics count from it. ``slo_ttft_ms`` and
-        ``slo_tpot_ms`` are the request's own SLOs, over the engine's; ``cache_salt`` its own prefix-cache salt.
+        ``slo_tpot_ms`` are the request's own SLOs, over the engine's; ``cache_salt`` its own prefix-cache salt;
+        ``lora_request`` its adapter.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
@@ -163,7 +167,7 @@ class AsyncEngine:
                     raise
             self._commands.append(AddCommand(prompt, params, request_id, priority, add_special_tokens,
                                        arrival_time, stream, future, slo_tpot_ms, admitted, kv_transfer_params,
-                                       cache_salt))
+                                       cache_salt, lora_request))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(future)
@@ -280,7 +284,7 @@ class AsyncEngine:
             # The command waited for the step in flight; latencies count from the real arrival.
             # the optional arguments only where given (engines with the plain signature take the rest)
             extra = {k: v for k, v in (("slo_tpot_ms", cmd.slo_tpot_ms), ("kv_transfer_params", cmd.kv_transfer_params),
-                                       ("cache_salt", cmd.cache_salt)) if v}
+                                       ("cache_salt", cmd.cache_salt), ("lora_request", cmd.lora_request)) if v}
             rid = engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority, cmd.add_special_tokens,
                                      arrival_time=cmd.arrival_time, **extra)
         except Exception as e:  # noqa: BLE001 - ValueError is the caller's fault; others are reported too

@@ -5,6 +5,7 @@ roofline, in that order (``build_core``). EngineCore (core.py) only holds what t
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.core import CoreParts, EngineCore, StartupPhases, device_uuid  # first: times torch
@@ -13,14 +14,17 @@ import torch  # noqa: E402
 
 from tokenmill.config import EngineConfig, parse_memory  # noqa: E402
 from tokenmill.core.kv_cache import KVCacheManager, size_kv_pool  # noqa: E402
+from tokenmill.core.kv_tier import check_kv_offload, default_path, tier_key  # noqa: E402
 from tokenmill.core.assembly import make_scheduler  # noqa: E402
 from tokenmill.engine.calibration import startup_step_cost  # noqa: E402
 from tokenmill.engine.drafting import load_drafter, measure_draft_cost  # noqa: E402
 from tokenmill.distributed.pipeline import check_pipeline_parallel  # noqa: E402
 from tokenmill.distributed.sharding import check_tensor_parallel  # noqa: E402
 from tokenmill.engine.messages import CoreInfo  # noqa: E402
+from tokenmill.engine.tasks import encoder_config, resolve_task  # noqa: E402
 from tokenmill.executor import start_executor  # noqa: E402
 from tokenmill.kv_transfer.connector import KVConnector  # noqa: E402
+from tokenmill.lora.manager import LoRAManager  # noqa: E402
 from tokenmill.models.loader import model_config_of  # noqa: E402
 from tokenmill.models.registry import ModelSource, resolve_model  # noqa: E402
 from tokenmill.perf.roofline import machine_roofline, weight_bytes_read  # noqa: E402
@@ -29,6 +33,7 @@ from tokenmill.spec_decode.draft_model import DraftModelProposer  # noqa: E402
 from tokenmill.spec_decode.ngram import NgramProposer  # noqa: E402
 from tokenmill.structured_output import GrammarCompiler  # noqa: E402
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_token  # noqa: E402
+from tokenmill.worker.kv_tier import open_kv_tier  # noqa: E402
 from tokenmill.worker.worker import Worker, worker_dtype  # noqa: E402
 
 if TYPE_CHECKING:
@@ -73,6 +78,7 @@ class CoreBuilder:
     def _build(self, config: EngineConfig) -> None:
         phase = self.startup = StartupPhases()
         self.device = resolve_device(config.device)
+        check_kv_offload(config, self.device.type)
         if config.scheduler.preemption_mode == "swap" and self.device.type not in SWAP_DEVICES:
             raise ValueError(
                 f"preemption_mode 'swap' copies a preempted request's KV to host memory; on the {self.device.type} "
@@ -102,6 +108,10 @@ class CoreBuilder:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.quantization = loaded.quantization  # "auto" resolved
+        self.served = resolve_task(config, self.model_config, self.tokenizer,
+                                   getattr(loaded.model, "classifier", None) is not None)
+        if getattr(loaded.model, "is_encoder", False):
+            self.config = config = encoder_config(config, self.max_model_len)
 
         spec = config.speculative
         if spec.num_speculative_tokens >= self.max_model_len and spec.speculative_method is not None:
@@ -155,8 +165,14 @@ class CoreBuilder:
         self.scheduler = make_scheduler(config.scheduler, self.kv_cache, self.max_model_len, step_cost,
                                         config.parallel.batches_in_flight if tp is not None and tp.pipeline else 1,
                                         proposer.finish if proposer is not None else None)
+        if config.lora.enable_lora:  # the adapters' pool and slots around the model's projections (tokenmill/lora/)
+            lora = self.runner.lora = LoRAManager(self.runner.model, self.model_config, config.lora, self.device)
+            self.scheduler.max_loras = config.lora.max_loras
+            self.scheduler.finish_hooks.append(lora.release)
         if config.kv_transfer.kv_role is not None:
             self._start_kv_transfer(config, self.runner.kv_caches, tp, draft)
+        if cache.kv_offload_size is not None:
+            self._start_kv_tier(config)
         self.weight_bytes = weight_bytes_read(loaded.model)  # what a step reads of the weights
         # a known GPU's datasheet costs nothing; a measurement only where a server reports it
         roofline = machine_roofline(self.device.type, self.device.index, str(self.dtype).removeprefix("torch."),
@@ -167,7 +183,7 @@ class CoreBuilder:
                              cache.block_size, self.kv_bytes_per_token, proposer is not None, config,
                              str(self.device), device_uuid(self.device), roofline,
                              list(self.kv_connector.address) if self.kv_connector and self.kv_connector.address
-                             else None)
+                             else None, self.served)
         logger.info("model %s: %s, dtype %s on %s, weights %s; KV cache %s, %d blocks x %d tokens (%.1f MiB: %s)",
                     self.model_name, self.model_config.architecture, self.dtype, self.device, self.quantization,
                     cache.kv_cache_dtype, num_blocks, cache.block_size, num_blocks * block_bytes / 2**20, why)
@@ -200,3 +216,18 @@ class CoreBuilder:
                   f"{config.cache.block_size}|{cfg.num_layers}x{cfg.num_kv_heads}x{cfg.head_dim}")
         self.kv_connector = KVConnector(config.kv_transfer, kv_tensors, config.cache.block_size, layout)
         self.scheduler.remote_kv.recompute_failed = config.kv_transfer.kv_load_failure_policy == "recompute"
+
+    def _start_kv_tier(self, config: EngineConfig) -> None:
+        """The KV tier on local disk (--kv-offload-size; core/kv_tier.py): blocks the pool evicts are written
+        there and read back on a prefix hit. Its directory is keyed by all that shapes a block's bytes."""
+        cache, cfg = config.cache, self.model_config
+        key = tier_key(self.model_path, {
+            "model": self.model_name, "dtype": str(self.dtype), "quantization": self.quantization,
+            "activations": self.activation_precision, "kv_cache_dtype": cache.kv_cache_dtype,
+            "block_size": cache.block_size, "max_model_len": self.max_model_len, "layers": cfg.num_layers,
+            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rank": 0, "world_size": 1})
+        root = Path(cache.kv_offload_path).expanduser() if cache.kv_offload_path else default_path()
+        store = open_kv_tier(self.runner.kv_caches, self.kv_cache.pool, root / key.hex()[:32],
+                             int(cache.kv_offload_size * 2**30), key)
+        self.kv_connector = store  # the engine core drives its reads as it drives a KV connector's pulls
+        self.runner.kv_tier, self.scheduler.kv_tier = store, store.tier

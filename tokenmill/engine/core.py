@@ -20,6 +20,7 @@ from tokenmill.core.scheduler import Scheduler  # noqa: E402
 from tokenmill.core.sched_output import ModelRunnerOutput  # noqa: E402
 from tokenmill.perf.step_cost import StepShape  # noqa: E402
 from tokenmill.engine.messages import AbortRequests, CoreInfo, CoreOutput, CoreState, CoreStep, StepStats  # noqa: E402
+from tokenmill.lora.manager import lora_salt  # noqa: E402
 from tokenmill.request import Request, RequestStatus  # noqa: E402
 from tokenmill.perf.cost import step_bytes, step_flops  # noqa: E402
 from tokenmill.spec_decode.stats import step_acceptance  # noqa: E402
@@ -145,11 +146,22 @@ class EngineCore:
         """Queue one sequence as the front end's input processor validated it (engine/input_processor.py), its
         constraints compiled: nothing is compiled again here (the scheduler keeps its own guard on ids and fit)."""
         self._num_added += 1
+        lora, salt = getattr(self.runner, "lora", None), msg.cache_salt
+        if msg.lora_request is not None:  # loaded here (a clear ValueError if it cannot run), held until it ends
+            if lora is None:
+                raise ValueError(f"LoRA adapter {msg.lora_request.lora_name!r} asked for, but this engine serves no "
+                                 "adapters: start it with --enable-lora")
+            salt = lora_salt(lora.acquire(msg.request_id, msg.lora_request), salt)
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, self.tokenizer.stop_token_ids,
                       msg.max_tokens, msg.priority, constraints=msg.constraints, slo_tpot_ms=msg.slo_tpot_ms,
-                      kv_transfer=msg.kv_transfer, cache_salt=msg.cache_salt)
+                      kv_transfer=msg.kv_transfer, cache_salt=salt, lora_request=msg.lora_request)
         req.timings.arrival = msg.arrival_time
-        self.scheduler.add_request(req)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            if msg.lora_request is not None:
+                lora.release(msg.request_id)
+            raise
         self._sent[msg.request_id] = 0
         self._idle = False
 
@@ -288,6 +300,7 @@ class EngineCore:
                schedule_s: float, draft_s: float, kv_transfers: list | None = None) -> StepStats:
         self._busy += duration
         planner = self.scheduler.planner
+        lora = getattr(self.runner, "lora", None)
         return StepStats(
             start, duration, sched.num_prefill_tokens, sched.num_decode_tokens,
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting),
@@ -303,11 +316,13 @@ class EngineCore:
             bytes=step_bytes(self.weight_bytes, self.kv_bytes_per_token, shape) if shape is not None else 0.0,
             expert_tokens=self._expert_tokens(),
             kv_transfers=kv_transfers,
+            kv_offload=self.scheduler.kv_tier.take_stats() if getattr(self.scheduler, "kv_tier", None) else None,
             shape=shape,
             requests=[(s.request_id, s.start_pos, len(s.token_ids) - s.num_draft_tokens, s.num_draft_tokens,
                        len(result.sampled_token_ids.get(s.request_id, ())) if s.needs_logits else 0)
                       for s in sched.scheduled],
             preempted=dict(sched.preempted_for) or None,
+            lora=None if lora is None else lora.lora_stats(self.scheduler.running, self.scheduler.waiting),
         )
 
     def _expert_tokens(self) -> list[list[int]] | None:
@@ -330,7 +345,7 @@ class EngineCore:
             out.num_cached_tokens = req.num_cached_tokens
         if req.is_finished:
             out.status, out.stop_reason, out.finished_time = req.status.value, req.stop_reason, req.timings.finished
-            out.error = req.error
+            out.error, out.pooled = req.error, req.pooled
             self._sent.pop(rid, None)
         else:
             self._sent[rid] = n

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.core.fits import check_fits
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output import GrammarCompiler, RequestConstraints, build_constraints
 
@@ -36,6 +37,7 @@ class ProcessedRequest:
     kv_transfer_params: dict | None = None
     constraints: RequestConstraints | None = None
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class InputProcessor:
@@ -64,7 +66,8 @@ class InputProcessor:
 
     def process(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
                 add_special_tokens: bool = True, slo_tpot_ms: float | None = None,
-                kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> ProcessedRequest:
+                kv_transfer_params: dict | None = None, cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Every check a request gets, in one place and once; raises ValueError if it is invalid or can
         never fit (LLMEngine.add_request documents the arguments)."""
         params = params or SamplingParams()
@@ -78,16 +81,46 @@ class InputProcessor:
             raise InvalidParameter(f"slo_tpot_ms must be positive milliseconds, got {slo_tpot_ms!r}", "slo_tpot_ms")
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise InvalidParameter("cache_salt must be a non-empty string", "cache_salt")
+        if lora_request is not None:
+            check_lora_request(lora_request, self.config.lora.enable_lora)
         ids = self.tokenize_prompt(prompt, add_special_tokens)
+        check_task(params, self.info.served.task)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if max_tokens < 1:
+        if params.pooling is not None:  # pooling: the prompt alone, no token generated
+            max_tokens = 0
+        elif max_tokens < 1:
             raise InvalidParameter(f"prompt ({len(ids)} tokens) leaves no room to generate in the "
                                    f"{self.max_model_len}-token context", "prompt")
         info = self.info
         check_fits(len(ids), max_tokens, self.max_model_len, info.num_blocks, info.block_size, self.config.scheduler)
         constraints = build_constraints(params, self.tokenizer, self.vocab_size, self.grammars)
         return ProcessedRequest(prompt if isinstance(prompt, str) else None, ids, params, max_tokens, priority,
-                                slo_tpot_ms, kv_transfer_params, constraints, cache_salt)
+                                slo_tpot_ms, kv_transfer_params, constraints, cache_salt, lora_request)
+
+
+def check_lora_request(lora: LoRARequest, enabled: bool) -> None:
+    """Refuse an adapter where LoRA is off, or what is not a LoRARequest (its files are the core's to read)."""
+    if not isinstance(lora, LoRARequest):
+        raise InvalidParameter(f"lora_request must be a LoRARequest, got {type(lora).__name__}", "lora_request")
+    if not enabled:
+        raise InvalidParameter(f"LoRA adapter {lora.lora_name!r} asked for, but this engine serves no adapters: start "
+                               "it with --enable-lora", "model")
+
+
+def check_task(params: SamplingParams, task: str) -> None:
+    """Refuse a request the served task does not run (engine/tasks.py)."""
+    if params.pooling is None and task != "generate":
+        raise InvalidParameter(f"this model is served for {'embeddings' if task == 'embed' else 'scores'} "
+                               f"(--task {task}): it generates no text; start another server with --task generate "
+                               "for completions", "model")
+    if params.pooling is not None:
+        kind = params.pooling.kind
+        want = "embed" if kind == "embed" else "score"
+        if task != want:
+            raise InvalidParameter(f"this model is served with --task {task}: a {kind} request needs a model served "
+                                   f"with --task {want}", "model")
+        if params.n != 1:
+            raise InvalidParameter("a pooling request has n 1", "n")
 
 
 def check_kv_transfer_params(kv: dict, role: str | None, params: SamplingParams) -> None:

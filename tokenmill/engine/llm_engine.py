@@ -31,6 +31,7 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.core import EngineCore
+    from tokenmill.lora.request import LoRARequest
 
 __all__ = ["LLMEngine", "StepStats"]
 logger = logging.getLogger("tokenmill")
@@ -123,16 +124,18 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, add_special_tokens: bool = True,
                     arrival_time: float | None = None, slo_tpot_ms: float | None = None,
-                    kv_transfer_params: dict | None = None, cache_salt: str | None = None) -> str:
+                    kv_transfer_params: dict | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it is invalid or can never fit.
         ``arrival_time`` (time.perf_counter) is when it really arrived; the latencies count from it.
         ``slo_tpot_ms``: its own TPOT SLO, which steps are planned to meet while it runs (with a latency
         target set on the engine; ignored otherwise). ``kv_transfer_params``: prefill/decode disaggregation
         (kv_transfer/), {"do_remote_decode": true} on a producer, {"do_remote_prefill": true, "remote_host",
         "remote_port", "remote_request_id"} (the producer's answer) on a consumer. ``cache_salt``: its own
-        prefix-cache salt (vLLM's): it shares cached KV blocks only with requests of the same salt."""
+        prefix-cache salt (vLLM's): it shares cached KV blocks only with requests of the same salt.
+        ``lora_request``: the adapter it runs with (--enable-lora; tokenmill/lora/)."""
         processed = self.input_processor.process(prompt, params, priority, add_special_tokens, slo_tpot_ms,
-                                                 kv_transfer_params, cache_salt)
+                                                 kv_transfer_params, cache_salt, lora_request)
         return self.add_processed(processed, request_id, arrival_time)
 
     def add_processed(self, request: ProcessedRequest, request_id: str | None = None,
@@ -154,12 +157,14 @@ class LLMEngine:
             if rid in self._sequences:
                 raise ValueError(f"request id {rid!r} is already in use")
             children.append(Request(rid, ids, child_params, self.tokenizer.stop_token_ids, max_tokens,
-                                    request.priority, slo_tpot_ms=request.slo_tpot_ms, cache_salt=request.cache_salt))
+                                    request.priority, slo_tpot_ms=request.slo_tpot_ms, cache_salt=request.cache_salt,
+                                    lora_request=request.lora_request))
         for r in children:
             r.timings.arrival = arrival
             self.client.add_request(EngineCoreRequest(
                 r.request_id, ids, r.sampling_params, max_tokens, arrival, request.priority, request.slo_tpot_ms,
-                request.kv_transfer_params, constraints=request.constraints, cache_salt=request.cache_salt))
+                request.kv_transfer_params, constraints=request.constraints, cache_salt=request.cache_salt,
+                lora_request=request.lora_request))
             self._sequences[r.request_id] = r
             self.num_sent += 1
         self.output_processor.add(request_id, request.prompt, children)
@@ -272,3 +277,4 @@ def _update(req: Request, out: CoreOutput) -> None:
     if out.status is not None:
         req.status, req.stop_reason = RequestStatus(out.status), out.stop_reason
         req.timings.finished = out.finished_time
+        req.pooled = out.pooled

@@ -17,11 +17,13 @@ import msgspec
 from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.perf.step_cost import StepShape
 from tokenmill.core.step_planner import Forecast
-from tokenmill.core.sched_output import KVTransferStats
+from tokenmill.core.sched_output import KVOffloadStats, KVTransferStats
+from tokenmill.lora.request import LoRARequest, LoRAStats
 from tokenmill.perf.roofline import Roofline
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import RequestConstraints
 from tokenmill.spec_decode.stats import SpecStepStats
+from tokenmill.engine.tasks import ServedTask
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,13 @@ class StepStats:
     # mixture of experts: tokens routed to each expert this step, per layer ([] for a dense layer)
     expert_tokens: list[list[int]] | None = None
     kv_transfers: list[KVTransferStats] | None = None  # disaggregation: transfers that ended since the last step
+    kv_offload: KVOffloadStats | None = None  # the KV tier on local disk, where one is on (core/kv_tier.py)
     shape: StepShape | None = None  # what the step computed, as the cost models see it (--step-log keeps it)
     # the step's composition, for request timelines (engine/timelines.py): per scheduled request (its id, the
     # position it started at, tokens computed without drafts, drafts verified, tokens emitted)
     requests: list[tuple[str, int, int, int, int]] | None = None
     preempted: dict[str, str] | None = None  # preempted request -> the request that needed its blocks
+    lora: LoRAStats | None = None  # with --enable-lora: the adapters running and waiting, loads and evictions
 
 
 # ---- front end -> core ----------------------------------------------------------------
@@ -81,6 +85,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", omit_defaults=True):
     kv_transfer: dict | None = None  # prefill/decode disaggregation: the request's kv_transfer_params
     constraints: RequestConstraints | None = None  # a structured-output grammar, bad_words (structured_output.py)
     cache_salt: str | None = None  # its own prefix-cache salt (vLLM's cache_salt)
+    lora_request: LoRARequest | None = None  # its adapter (--enable-lora); None: the base model
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -123,6 +128,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_time: float | None = None
     error: str | None = None  # the core could not run it (it finishes as "abort")
     num_cached_tokens: int = -1  # prompt tokens it found in the prefix cache when admitted (-1: not yet)
+    pooled: list[float] | None = None  # a pooling request's vector, with its end
 
 
 class CoreState(msgspec.Struct, omit_defaults=True):
@@ -168,6 +174,7 @@ class CoreInfo:
     device_uuid: str | None = None  # a GPU's UUID (NVML finds it by that)
     roofline: Roofline | None = None  # the device's peak FLOP/s and bandwidth
     kv_address: list | None = None  # a producer's (host, port) where consumers pull KV
+    served: ServedTask = field(default_factory=lambda: ServedTask("generate"))  # generation, embeddings or scores
 
 
 def plain_info(info: CoreInfo) -> CoreInfo:

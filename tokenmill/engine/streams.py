@@ -165,6 +165,7 @@ class AddCommand:
     admitted: list | None = None  # its entry in AsyncEngine._admitted, where SLO admission counted it
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (LLMEngine.add_request)
     cache_salt: str | None = None  # its own prefix-cache salt (LLMEngine.add_request)
+    lora_request: Any = None  # its adapter, a lora.request.LoRARequest (LLMEngine.add_request)
 
 
 @dataclass

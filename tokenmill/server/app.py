@@ -31,11 +31,15 @@ from tokenmill.server.completions import CompletionsMixin
 from tokenmill.server.dashboard import add_dashboard, sampling
 from tokenmill.server.live_replay import LiveReplay
 from tokenmill.server.logprobs import LogprobsMixin
+from tokenmill.server.lora import LoRAMetrics, add_lora_routes
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from tokenmill.server.pooling import EmbeddingRequest, PoolingMixin, RerankRequest, ScoreRequest
 from tokenmill.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError,
                                       TokenizeRequest, error_body)
 from tokenmill.server.responses import _error_response, json_response
+from tokenmill.server.responses_api import ResponsesMixin
+from tokenmill.server.responses_protocol import ResponsesRequest
 from tokenmill.server.serving import ServerConfig, ServingBase, _validation_error
 from tokenmill.server.streaming import _ClientGone
 from tokenmill.server.tokenization import TokenizeMixin
@@ -47,7 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 
-class OpenAIServing(CompletionsMixin, ChatMixin, TokenizeMixin, LogprobsMixin, ServingBase):
+class OpenAIServing(CompletionsMixin, ChatMixin, ResponsesMixin, PoolingMixin, TokenizeMixin, LogprobsMixin,
+                    ServingBase):
     """The OpenAI endpoints over one AsyncEngine (each concern in its own module)."""
 
 
@@ -60,6 +65,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     metrics = ServerMetrics(serving.model_name, lambda: engine.snapshot, serving.max_model_len, utilization=meter,
                             nvml=Nvml(info.device, info.device_uuid))
     engine.observers.append(metrics)
+    if serving.loras.enabled:
+        engine.observers.append(LoRAMetrics(metrics.registry, serving.model_name))
     serving.on_refused = metrics.on_refused
     live_cost = LiveCostModel()  # the simulator's cost model fitted on the served steps, and its error
     engine.observers.append(live_cost)
@@ -159,6 +166,33 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat_completions(body, raw)
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await serving.create_response(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return json_response(serving.stored_response(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return json_response(serving.delete_response(response_id))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await serving.embeddings(body, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest, raw: Request) -> Response:
+        return await serving.score(body, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest, raw: Request) -> Response:
+        return await serving.rerank(body, raw)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
         return await serving.tokenize(body)
@@ -172,7 +206,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": serving.created, "owned_by": "tokenmill",
              "root": engine.engine.model_name, "max_model_len": serving.max_model_len}
-            for name in serving.model_names]})
+            for name in serving.model_names] + serving.loras.cards(serving.max_model_len)})
 
     @app.get("/v1/requests/{request_id}/timeline")
     async def request_timeline(request_id: str) -> Response:
@@ -223,6 +257,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
 
     if history is not None:
         add_dashboard(app, engine, history, serving.model_name)
+    add_lora_routes(app, serving.loras)
 
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_bytes, timeout=config.request_body_timeout)
     if config.api_key:

@@ -35,6 +35,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="when the engine core process dies, fail its in-flight requests, start a fresh one and "
                         "keep serving (/health answers 503 while it loads) instead of exiting; after 3 restarts "
                         "within a minute the server gives up and exits. Needs --engine-core-process")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="serve N replicas of the model on this machine, each its own server process on a free "
+                        "loopback port with these flags (the KV cache's share of memory, --kv-cache-memory as a "
+                        "fraction, divided among them; the CPU's cores too), behind a router on --host/--port "
+                        "that sends each request to the replica most likely to hold its prompt's prefix "
+                        "(default 1: no router)")
+    g.add_argument("--router-policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="with --data-parallel-size: how the router picks a replica (default prefix; `tokenmill "
+                        "router --help` explains each)")
+    g.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+                   help="where the --data-parallel-size replicas run: mp, processes on this machine (default); ray, "
+                        "Ray actors placed on the Ray cluster's nodes (RAY_ADDRESS, or the cluster `ray start` "
+                        "began on this machine, else a local one), each owning one server on its node's address, "
+                        "the router here (pip install 'tokenmill[ray]')")
+    g.add_argument("--ray-num-cpus-per-replica", type=float, default=1.0, metavar="N",
+                   help="with --data-parallel-backend ray: the CPUs Ray reserves for each replica, and on the CPU "
+                        "its threads (default 1)")
     g.add_argument("--max-waiting-requests", type=int, default=256,
                    help="bound on sequences waiting for the scheduler; beyond it requests get 503 (default 256)")
     g.add_argument("--max-n", type=int, default=8, help="largest n (completions per prompt) a request may ask "
@@ -92,6 +109,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "carries traceparent, and child spans for the queue, each prefill chunk, the decode, each "
                         "preemption and each KV transfer. Needs request timelines and pip install "
                         "'tokenmill[tracing]'")
+    g.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
+                   help="keep the last N finished /v1/responses responses (least recently used out first) for "
+                        "previous_response_id and GET/DELETE /v1/responses/{id}; a request with store false is not "
+                        "kept. Default 1000; 0 turns storing off")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served from startup (with --enable-lora), each NAME=PATH (a PEFT adapter folder "
+                        "or a llama.cpp GGUF LoRA file; or JSON {\"name\", \"path\"}): listed in /v1/models with the "
+                        "base as parent, and a request whose model field names one runs with it. More load and "
+                        "unload at run time through POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput / queue / KV-usage log lines while busy (default 10; 0 = off)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines")
@@ -108,9 +134,28 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``tokenmill router`` (server/router.py)."""
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+    p.add_argument("--replica", action="extend", nargs="+", default=None, metavar="URL",
+                   help="plain replicas (`tokenmill serve` instances) to route whole requests to, e.g. "
+                        "http://127.0.0.1:8101 (repeatable); or use --prefill and --decode")
+    p.add_argument("--policy", default="prefix", choices=["prefix", "least-loaded", "round-robin"],
+                   help="how a replica is chosen: prefix (default: the one the request's prompt prefix was sent to "
+                        "before, by an approximate radix tree over the prompts' characters, unless the load is "
+                        "imbalanced), least-loaded (fewest requests in flight and queued) or round-robin")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="prefix policy: the share of a prompt a replica's match must exceed for the request to go "
+                        "there; below it, to the replica with the least text routed to it (default 0.5)")
+    p.add_argument("--balance-abs-threshold", type=float, default=32,
+                   help="prefix policy: the load is imbalanced (and the least loaded replica takes the request) "
+                        "where the busiest and the idlest replica differ by more than this many requests ... "
+                        "(default 32)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.0001,
+                   help="... and the busiest has more than this many times the idlest's load (default 1.0001)")
+    p.add_argument("--max-tree-size", type=int, default=1 << 24,
+                   help="prefix policy: characters of routed prompts remembered per replica; past it the least "
+                        "recently routed ones are forgotten (default 16777216)")
+    p.add_argument("--prefill", nargs="+", default=None, metavar="URL",
                    help="prefill instances (`tokenmill serve --kv-role producer`), e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+    p.add_argument("--decode", nargs="+", default=None, metavar="URL",
                    help="decode instances (`tokenmill serve --kv-role consumer`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

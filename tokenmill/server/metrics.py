@@ -165,6 +165,22 @@ class ServerMetrics:
         for d in ("send", "recv"):
             for c in (self._kv_bytes, self._kv_blocks, self._kv_failures):
                 c.labels(model_name, d)
+        # the KV tier on local disk (zero unless --kv-offload-size): blocks looked up after the pool's hits
+        self.offload_queries = counter("tokenmill:kv_offload_queries", "KV blocks looked up in the KV tier on "
+                                       "local disk at admission (those after a request's prefix-cache hits).")
+        self.offload_hits = counter("tokenmill:kv_offload_hits", "KV blocks found in the KV tier and read back "
+                                    "instead of computed.")
+        self.offload_read = counter("tokenmill:kv_offload_bytes_read", "Bytes read from the KV tier.")
+        self.offload_written = counter("tokenmill:kv_offload_bytes_written", "Bytes written to the KV tier "
+                                       "(blocks evicted from the pool).")
+        self.offload_failures = counter("tokenmill:kv_offload_failures", "KV tier files that failed their check "
+                                        "(truncated, corrupt, foreign) and were recomputed instead of served.")
+        self.offload_read_s = hist("tokenmill:kv_offload_read_seconds", "Time per read from the KV tier (one "
+                                   "request's blocks).", TTFT_BUCKETS)
+        self.offload_write_s = hist("tokenmill:kv_offload_write_seconds", "Time per write to the KV tier (one "
+                                    "step's evicted blocks, on a background thread).", TTFT_BUCKETS)
+        self.offload_usage = Gauge("tokenmill:kv_offload_usage_bytes", "Bytes the KV tier's files take.", labels,
+                                   registry=reg).labels(model_name)
         self._expert_imbalance = Gauge("tokenmill:moe_load_imbalance", "Over the last step, the busiest expert's "
                                        "tokens over the mean per expert, in the most unbalanced layer (1 = even).",
                                        labels, registry=reg)
@@ -213,7 +229,21 @@ class ServerMetrics:
             self.spec_accepted.inc(spec.num_accepted_tokens)
             for pos, n in enumerate(spec.accepted_per_pos):
                 self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
+        offload = stats.kv_offload
+        if offload is not None:
+            self.offload_queries.inc(offload.queries)
+            self.offload_hits.inc(offload.hits)
+            self.offload_read.inc(offload.bytes_read)
+            self.offload_written.inc(offload.bytes_written)
+            self.offload_failures.inc(offload.failures)
+            for v in offload.read_seconds:
+                self.offload_read_s.observe(v)
+            for v in offload.write_seconds:
+                self.offload_write_s.observe(v)
+            self.offload_usage.set(offload.usage_bytes)
         for t in stats.kv_transfers or ():
+            if t.direction == "offload":  # (the KV tier's reads: counted above)
+                continue
             if t.error is not None:
                 self._kv_failures.labels(self._model_name, t.direction).inc()
                 continue

@@ -16,6 +16,8 @@ from fastapi import FastAPI
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.server.app import OpenAIServing, build_app
+from tokenmill.server.lora import parse_lora_modules
+from tokenmill.server.router_serving import run_server_until_signal
 from tokenmill.server.serving import ServerConfig
 
 if TYPE_CHECKING:
@@ -169,22 +171,8 @@ def serve(engine: AsyncEngine, config: ServerConfig, host: str = "127.0.0.1", po
     # under load does not walk it (vLLM does the same), so a shed request's 503 is not held up by one.
     gc.collect()
     gc.freeze()
-    # uvicorn re-raises the signal it caught once it has shut down; make that a clean exit.
-    main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-    try:
-        server.run()
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    run_server_until_signal(server)
     return 0 if engine.error is None else 1
-
-
-def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
 
 
 def configure_logging(a: argparse.Namespace) -> None:
@@ -207,7 +195,9 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
                         chat_template=a.chat_template, exit_on_engine_death=a.exit_on_engine_death,
                         restart_engine_core=a.restart_engine_core, dashboard=a.dashboard,
                         request_timelines=a.request_timelines, otlp_traces_endpoint=a.otlp_traces_endpoint,
-                        live_replay_interval=a.live_replay_interval)
+                        live_replay_interval=a.live_replay_interval,
+                        responses_store_size=a.responses_store_size,
+                        lora_modules=parse_lora_modules(getattr(a, "lora_modules", None) or ()))
 
 
 def serve_args(llm_engine: LLMEngine, a: argparse.Namespace) -> int:
@@ -241,6 +231,14 @@ def run_from_args(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
 
     configure_logging(a)
+    if getattr(a, "data_parallel_backend", "mp") == "ray":  # replicas as Ray actors: server/ray_replicas.py
+        from tokenmill.server.ray_replicas import run_ray_data_parallel
+
+        return run_ray_data_parallel(a)
+    if getattr(a, "data_parallel_size", 1) != 1:  # N replicas behind the router: server/data_parallel.py
+        from tokenmill.server.data_parallel import run_data_parallel
+
+        return run_data_parallel(a)
     kwargs = engine_kwargs(a)
     if getattr(a, "model_arg", None):
         kwargs["model"] = a.model_arg

@@ -18,6 +18,7 @@ from tokenmill.engine.tracing import traces_endpoint
 from tokenmill.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, InvalidParameter, SamplingParams
 from tokenmill.server.chat_template import load_chat_template
 from tokenmill.server.logprobs import _TokenText
+from tokenmill.server.lora import REQUEST_LORA, LoRAModels
 from tokenmill.server.protocol import OpenAIError, bad_request
 from tokenmill.server.reasoning import check_reasoning_parser
 from tokenmill.server.tool_parsers import TOOL_CALL_PARSERS
@@ -85,12 +86,17 @@ class ServerConfig:
     request_timelines: int = 1000  # finished requests whose timelines are kept (engine/timelines.py); 0: off
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: a span tree per request (engine/tracing.py)
     live_replay_interval: float = 60.0  # seconds between replays of the recent traffic (server/live_replay.py); 0: off
+    responses_store_size: int = 1000  # finished /v1/responses kept for previous_response_id and GET; 0: none
+    lora_modules: Sequence[tuple[str, str]] = ()  # --lora-modules: (name, path) of the adapters served at startup
     chat_template_text: str | None = field(init=False, default=None, repr=False)  # chat_template's, loaded
 
     def __post_init__(self) -> None:
         check_reasoning_parser(self.reasoning_parser)
         if self.chat_template is not None:
             self.chat_template_text = load_chat_template(self.chat_template)
+        if self.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size must be >= 0 (0 turns storing off), got "
+                             f"{self.responses_store_size}")
         if self.request_timelines < 0:
             raise ValueError(f"request_timelines must be >= 0, got {self.request_timelines}")
         if not self.live_replay_interval >= 0:
@@ -218,13 +224,21 @@ class ServingBase:
         # (code, seconds from the request's arrival to its refusal): set by build_app to the metrics' hook
         self.on_refused: Callable[[str, float], None] | None = None
         self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint: set by build_app
+        self.loras = LoRAModels(getattr(llm, "info", None), self.model_names, config.lora_modules)  # (--enable-lora)
 
     @property
     def chat_tokenizer(self) -> Tokenizer:
         """What renders chats: the tokenizer, with --chat-template's template where one was given."""
         return self.tokenizer if self._templated is None else self._templated
 
-    def check_serving(self) -> None:
+    def check_serving(self, task: str | None = "generate") -> None:
+        """Whether a request may start: the engine alive and admitting, and serving ``task`` (generate for the
+        text endpoints; None: the pooling endpoints check their own)."""
+        served = self.engine.engine.info.served.task
+        if task is not None and served != task:
+            raise bad_request(f"this model is served for {'embeddings' if served == 'embed' else 'scores'} "
+                              f"(--task {served}): it generates no text; start another server with --task {task} "
+                              "for completions", "model")
         if self.engine.error is not None:
             raise OpenAIError(500, f"the engine loop died ({self.engine.error!r}); the server cannot generate "
                               "any more and must be restarted", None, "engine_dead")
@@ -232,11 +246,14 @@ class ServingBase:
             raise OpenAIError(503, "the server is shutting down and admits no new requests", None, "draining")
 
     def check_model(self, model: str | None) -> str:
+        """The model the request names (the base, or a LoRA adapter: start() runs it); 404 for any other."""
+        REQUEST_LORA.set(None if model is None else self.loras.get(model))
         if model is None:
             return self.model_name
-        if model not in self.model_names:
+        if model not in self.model_names and REQUEST_LORA.get() is None:
+            names = self.model_names + list(self.loras.adapters)
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                              f"{', '.join(repr(m) for m in self.model_names)}", "model", "model_not_found")
+                              f"{', '.join(repr(m) for m in names)}", "model", "model_not_found")
         return model
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
@@ -336,6 +353,8 @@ class ServingBase:
             kv["kv_transfer_params"] = prep.kv_transfer_params
         if prep.cache_salt is not None:
             kv["cache_salt"] = prep.cache_salt
+        if REQUEST_LORA.get() is not None:  # the adapter check_model found for this request's model field
+            kv["lora_request"] = REQUEST_LORA.get()
         if self.tracer is not None:
             for rid in ids:
                 self.tracer.announce(rid, arrival, headers or {}, prep.params)

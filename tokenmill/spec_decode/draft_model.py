@@ -117,7 +117,7 @@ class DraftModelProposer:
     def _draw(self, logits: torch.Tensor, cs: list[_Cached]) -> tuple[list[int], torch.Tensor | None]:
         """Each row's draft: the argmax for greedy requests, else a sample of q (returned too)."""
         states = [_State(c.params, c.generator) for c in cs]
-        probs, greedy = self.runner.sampler.distributions(logits, self.runner._sampling_batch(states))
+        probs, greedy = self.runner.sampler.distributions(logits, self.runner.sampling_inputs.batch(states))
         tokens = greedy.tolist()
         for row, c in enumerate(cs):
             if not c.params.greedy:
@@ -128,7 +128,7 @@ class DraftModelProposer:
 
 @dataclasses.dataclass
 class _State:
-    """What ModelRunner._sampling_batch reads of a request: its parameters and generator, no history
+    """What SamplingInputs.batch (worker/sampling_inputs.py) reads of a request: its parameters and generator, no history
     (the drafter applies no penalties) and nothing banned."""
 
     params: object

@@ -6,6 +6,7 @@ history for penalties, private generator). Only plain data comes in and goes out
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,11 +19,13 @@ from tokenmill.core.sched_output import (BlockTables, ForwardRow, ModelRunnerOut
                                          SchedulerOutput)
 from tokenmill.distributed.pipeline import pipelined_forward
 from tokenmill.layers.attention import AttentionMetadata, PrefillChunk
-from tokenmill.layers.sampler import Sampler, SamplingBatch
+from tokenmill.layers.sampler import Sampler
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.perf.cost import kv_bytes_per_token
 from tokenmill.spec_decode.rejection import verify_drafts
-from tokenmill.structured_output import GrammarCompiler, RequestConstraints, banned_by_bad_words
+from tokenmill.structured_output import GrammarCompiler, RequestConstraints
+from tokenmill.worker.pooling import Pooler, PoolStep
+from tokenmill.worker.sampling_inputs import SamplingInputs
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,6 +45,7 @@ class _RequestState:
     constraints: RequestConstraints | None = None
     matcher: object = None  # the grammar's llguidance matcher, advanced by every emitted token
     prompt_logprobs: dict[int, dict[int, float]] | None = None  # position -> logprobs, until emitted
+    lora: Any = None  # its adapter (a lora.request.LoRARequest), or None
 
 
 KV_STORAGE = {"int8": torch.int8, "fp8": torch.uint8}  # fp8 e4m3 kept as its bits (layers/attention.py)
@@ -56,6 +60,7 @@ class _Launched:
     prompt_rows: list
     sample_rows: list[int]
     forward_s: float  # the driver's own part of the forward pass, at launch
+    pool: PoolStep | None = None  # pooling requests' rows (worker/pooling.py), where the step has any
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -82,11 +87,6 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     return [(new(shape, dtype=store, device=device), new(shape, dtype=store, device=device),
              new(shape[:3], device=device), new(shape[:3], device=device))
             for _ in range(cfg.num_layers)]
-
-
-def unpack_bitmask(bits: bytes, vocab_size: int) -> torch.Tensor:
-    """llguidance's packed token mask (bit j of byte i: token 8 i + j) as [vocab_size] bool."""
-    return torch.from_numpy(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:vocab_size]).bool()
 
 
 def _advance(st: _RequestState, tokens: list[int]) -> None:
@@ -117,11 +117,15 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.block_tables = BlockTables()  # every request's table, kept from the steps' diffs
         self.swapped: dict[str, list[tuple[torch.Tensor, ...]]] = {}  # preempted by swap: KV in host memory
+        self.kv_tier = None  # the KV tier on local disk (worker/kv_tier.py), with --kv-offload-size
         self.grammars: GrammarCompiler | None = None  # set by the engine: structured outputs
         # on the driver (rank 0) under tensor or pipeline parallelism: every forward pass is first sent to the
         # other ranks, which run the same one on their shards (executor/); None: this process is every rank
         self.executor = executor
         self.pipeline = None  # (group, micro-batches) when this rank is a pipeline stage (distributed/pipeline.py)
+        self.pooler = Pooler()  # pooling requests (embeddings, scores)
+        self.sampling_inputs = SamplingInputs(device, self.vocab_size)  # what each step's sampler reads
+        self.lora = None  # --enable-lora: the adapters' pool and slots (lora/manager.py), set by the builder
 
     # ---- request state ---------------------------------------------------------------
 
@@ -131,7 +135,7 @@ class ModelRunner:
         stop_ids = sorted(t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                           if t < self.vocab_size)
         st = _RequestState(list(r.prompt_token_ids), list(r.output_token_ids), p, r.eos_token_ids, gen, stop_ids,
-                           r.constraints)
+                           r.constraints, lora=r.lora_request)
         if p.prompt_logprobs is not None and not r.output_token_ids:
             st.prompt_logprobs = {}
         if r.constraints is not None and r.constraints.grammar is not None:
@@ -169,6 +173,9 @@ class ModelRunner:
         for rid in sched.finished_request_ids:  # (one aborted in flight comes once its step was applied)
             self.states.pop(rid, None)
             self.swapped.pop(rid, None)
+            self.pooler.drop(rid)
+        if self.kv_tier is not None:  # evicted blocks go to the tier before anything here writes them
+            self.kv_tier.before_forward(sched)
         for rid, blocks in sched.swap_out:
             self._swap_out(rid, blocks)
         for rid, blocks in sched.swap_in:
@@ -183,12 +190,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
         order = decodes + [s for s in sched.scheduled if len(s.token_ids) > 1]
+        if self.lora is not None:  # an adapter's rows side by side (each row's result is the same in any order)
+            order = self.lora.order_rows(order, len(decodes), self.states)
 
         # Logits only for rows that end their request's known tokens, for each drafted position, and
         # for the prompt rows of requests that asked for prompt logprobs.
-        sample_rows, sample_reqs, prompt_rows, offset = [], [], [], 0
+        sample_rows, sample_reqs, prompt_rows, offset, pool = [], [], [], 0, PoolStep()
         for s in order:
             st = self.states[s.request_id]
+            if st.params.pooling is not None:  # hidden states (or a reranker's logits) instead of a token
+                self.pooler.plan(pool, st.params.pooling, s, offset)
+                offset += len(s.token_ids)
+                continue
             if st.prompt_logprobs is not None:  # row i predicts the prompt token at start_pos + i + 1
                 last = min(len(s.token_ids), len(st.prompt_token_ids) - 1 - s.start_pos)
                 prompt_rows.extend((st, offset + i, s.start_pos + i + 1) for i in range(max(last, 0)))
@@ -197,8 +210,20 @@ class ModelRunner:
                 sample_rows.extend(range(offset - 1 - s.num_draft_tokens, offset))
                 sample_reqs.append(s)
         rows = [self.block_tables.row(s) for s in order]
-        logits = self._start_forward(rows, sample_rows + [r for _, r, _ in prompt_rows])
-        return _Launched(logits, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0)
+        logits_rows = sample_rows + [r for _, r, _ in prompt_rows] + [r for _, r in pool.scores]
+        with self._adapters(order):
+            if pool.hidden:  # (one process only: the builder refuses pooling under tensor or pipeline parallelism)
+                types = self.pooler.token_types(order, self.states) if getattr(self.model, "is_encoder", False) else None
+                logits = self._pooling_forward(rows, logits_rows, [r for _, r, _ in pool.hidden], types)
+            else:
+                logits = self._start_forward(rows, logits_rows)
+        return _Launched(logits, sample_reqs, prompt_rows, sample_rows, time.perf_counter() - t0, pool or None)
+
+    def _adapters(self, order: list[ScheduledRequest]) -> contextlib.AbstractContextManager:
+        """The pass with each row's adapter (--enable-lora; one process, so the pass is done when this exits)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.step([(self.states[s.request_id].lora, len(s.token_ids)) for s in order])
 
     @torch.inference_mode()
     def finish(self, step: _Launched | None) -> ModelRunnerOutput:
@@ -206,14 +231,22 @@ class ModelRunner:
         if step is None:
             return ModelRunnerOutput({})
         t0 = time.perf_counter()
-        logits = step.logits if isinstance(step.logits, torch.Tensor) else self.executor.wait(step.logits)
+        logits = step.logits if isinstance(step.logits, (torch.Tensor, tuple)) else self.executor.wait(step.logits)
         if self.device.type == "cuda":  # the kernels are queued: wait for them, or sampling's wait counts them
             # (this stream's only: a device-wide sync would also wait for the next step's pass in flight)
             torch.cuda.current_stream(self.device).synchronize()
         t1 = time.perf_counter()
         self.forward_s = step.forward_s + t1 - t0
         try:
-            return self._sample_step(logits, step.sample_reqs, step.prompt_rows, step.sample_rows)
+            if step.pool is None:
+                return self._sample_step(logits, step.sample_reqs, step.prompt_rows, step.sample_rows)
+            logits, hidden = logits if isinstance(logits, tuple) else (logits, None)
+            first_score = len(logits) - len(step.pool.scores)
+            out = self._sample_step(logits[:first_score], step.sample_reqs, step.prompt_rows, step.sample_rows)
+            sizes = {rid: len(self.states[rid].prompt_token_ids) for rid, _, _ in step.pool.hidden}
+            out.pooled.update(self.pooler.finish(step.pool, hidden, logits[first_score:], sizes,
+                                                 getattr(self.model, "classifier", None)))
+            return out
         finally:
             self.sample_s = time.perf_counter() - t1
 
@@ -280,6 +313,18 @@ class ModelRunner:
             return self.executor.run_forward(order, logits_rows, self.local_forward)
         return self.local_forward(order, logits_rows)
 
+    def _pooling_forward(self, order: list[ForwardRow], logits_rows: list[int], hidden_rows: list[int],
+                         token_types: list[int] | None = None):
+        """A forward pass that also returns the final hidden states of ``hidden_rows``: (logits, hidden); an
+        encoder takes each token's type (a cross-encoder's second segment is type 1)."""
+        input_ids, pos_t, meta = self.inputs(order)
+        idx = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        hidden = torch.tensor(hidden_rows, dtype=torch.long, device=self.device)
+        if token_types is None:
+            return self.model(input_ids, pos_t, self.kv_caches, meta, idx, hidden)
+        types = torch.tensor(token_types, dtype=torch.long, device=self.device)
+        return self.model(input_ids, pos_t, self.kv_caches, meta, idx, hidden, token_types=types)
+
     def local_forward(self, order: list[ForwardRow], logits_rows: list[int]) -> torch.Tensor:
         if self.pipeline is not None:
             group, micro_batches = self.pipeline
@@ -345,7 +390,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
         states = [self.states[r] for r in req_ids]
-        batch = self._sampling_batch(states)
+        batch = self.sampling_inputs.batch(states)
         out = self.sampler(logits, batch)
         tokens = out.token_ids.tolist()
         sampled = {}
@@ -374,7 +419,7 @@ class ModelRunner:
             for j in range(s.num_draft_tokens + 1):  # row j follows the drafts before it
                 states.append(st)
                 extras.append(drafts[:j])
-        batch = self._sampling_batch(states, extras)
+        batch = self.sampling_inputs.batch(states, extras)
         probs, greedy_tokens = self.sampler.distributions(logits, batch)
         logprobs = logits.log_softmax(-1) if batch.num_logprobs is not None else None
         sampled, lps, row = {}, {}, 0
@@ -398,84 +443,3 @@ class ModelRunner:
                                               if n else []))
             row += d + 1
         return ModelRunnerOutput(sampled, lps)
-
-    def _sampling_batch(self, states: list[_RequestState], extras: list[list[int]] | None = None) -> SamplingBatch:
-        """One row per state; extras[i]: tokens that follow row i's outputs so far (a drafted position's
-        earlier drafts), for its penalties and min_tokens."""
-        dev = self.device
-        extras = extras or [[] for _ in states]
-        ps = [s.params for s in states]
-        temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        use_k = any(p.top_k > 0 for p in ps)
-        use_p = any(p.top_p < 1.0 for p in ps)
-        use_min_p = any(p.min_p > 0 for p in ps)
-        b = SamplingBatch(
-            temperature=temp,
-            all_greedy=all(p.greedy for p in ps),
-            top_k=torch.tensor([max(p.top_k, 0) for p in ps], device=dev) if use_k else None,
-            top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev) if use_p else None,
-            min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev) if use_min_p else None,
-            generators=[s.generator for s in states],
-        )
-        if any(p.needs_penalties for p in ps):
-            b.output_ids = self._pad([s.output_token_ids + e for s, e in zip(states, extras)])
-            b.prompt_ids = self._pad([s.prompt_token_ids for s in states])
-            b.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)
-            b.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)
-            b.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)
-        banned = [(i, s.stop_ids) for i, (s, e) in enumerate(zip(states, extras))
-                  if s.stop_ids and len(s.output_token_ids) + len(e) < s.params.min_tokens]
-        self._constrain(b, states, extras, banned)
-        b.banned = banned or None
-        wanted = [p.logprobs for p in ps if p.logprobs is not None]
-        b.num_logprobs = max(wanted) if wanted else None
-        return b
-
-    def _constrain(self, b: SamplingBatch, states, extras: list[list[int]], banned: list) -> None:
-        """logit_bias, allowed_token_ids, bad words (into banned) and grammar masks, for the rows that
-        have them; a row's grammar mask follows the tokens before it (its earlier drafts included)."""
-        dev = self.device
-        bias, allowed, grammar_rows, masks = [], [], [], []
-        for i, (s, e) in enumerate(zip(states, extras)):
-            p = s.params
-            if p.logit_bias:
-                ids, vals = zip(*p.logit_bias.items())
-                bias.append((i, torch.tensor(ids, device=dev), torch.tensor(vals, dtype=torch.float32, device=dev)))
-            if p.allowed_token_ids is not None:
-                allowed.append((i, torch.tensor(p.allowed_token_ids, device=dev)))
-            c = s.constraints
-            if c is not None and c.bad_words_token_ids:
-                longest = max(len(w) for w in c.bad_words_token_ids)  # only the output's tail can match
-                words = banned_by_bad_words(c.bad_words_token_ids, list(s.output_token_ids[-longest:]) + list(e))
-                if words:
-                    banned.append((i, words))
-            if s.matcher is not None:
-                grammar_rows.append(i)
-                masks.append(self._grammar_mask(s.matcher, e, s.eos_token_ids))
-        b.logit_bias = bias or None
-        b.allowed = allowed or None
-        if grammar_rows:
-            b.grammar_rows = torch.tensor(grammar_rows, device=dev)
-            b.grammar_masks = torch.stack(masks).to(dev)
-
-    def _grammar_mask(self, matcher, extra: list[int], eos_token_ids) -> torch.Tensor:
-        """[vocab] bool: what the grammar allows after the request's tokens and then ``extra`` (a drafted
-        position's earlier drafts). Past a draft the grammar refuses, everything is allowed: verification
-        rejects that draft before such a row is read."""
-        consumed = matcher.try_consume_tokens(extra) if extra else 0
-        bits = matcher.compute_bitmask() if consumed == len(extra) else None
-        if consumed:
-            matcher.rollback(consumed)
-        if bits is None:
-            return torch.ones(self.vocab_size, dtype=torch.bool)
-        mask = unpack_bitmask(bits, self.vocab_size)
-        if not mask.any():  # the grammar is done (or broken): only end-of-sequence is left to say
-            mask[[t for t in eos_token_ids if t < self.vocab_size]] = True
-        return mask
-
-    def _pad(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        out = np.full((len(rows), width), self.vocab_size, dtype=np.int64)
-        for i, r in enumerate(rows):
-            out[i, : len(r)] = r
-        return torch.from_numpy(out).to(self.device)
