@@ -345,3 +345,16 @@ def test_the_tier_metrics():
     assert samples["tokenmill:kv_offload_read_seconds_count"] == 1
     assert samples["tokenmill:kv_offload_write_seconds_count"] == 2
     assert samples["tokenmill:kv_offload_usage_bytes"] == 5000
+
+
+def test_tokenmill_generate_leaves_its_pool_in_the_tier_at_exit(tmp_path):
+    """The CLI shuts its engine down: a one-shot `tokenmill generate` with a tier writes the prompt's cached
+    blocks there, so the next run finds them (nothing was evicted during the run)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tokenmill.cli", "generate", SYSTEM + "Which way is north?", "--raw",
+           "--max-tokens", "2", "--kv-offload-size", "0.5", "--kv-offload-path", str(tmp_path), "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(list(tmp_path.glob("*/*.kv"))) >= 4  # the system prompt's full blocks

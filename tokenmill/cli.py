@@ -21,6 +21,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
     llm = LLM(**engine_kwargs(a))
+    try:
+        return _generate(llm, a)
+    finally:
+        llm.shutdown()  # (a KV tier, --kv-offload-size, keeps the pool's cached blocks for the next run)
+
+
+def _generate(llm, a: argparse.Namespace) -> int:
     params = sampling_params(a, llm.engine.model_path)
     if a.raw:
         outs = llm.generate(a.prompts, params, use_tqdm=not a.no_progress)
@@ -43,6 +50,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
 
     llm = LLM(**engine_kwargs(a))
+    try:
+        return _chat(llm, a)
+    finally:
+        llm.shutdown()
+
+
+def _chat(llm, a: argparse.Namespace) -> int:
     params = sampling_params(a, llm.engine.model_path)
     engine = llm.engine
     messages = [{"role": "system", "content": a.system}] if a.system else []
